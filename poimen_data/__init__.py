@@ -1,0 +1,41 @@
+"""poimen_data: the data layer of poimen.
+
+Record agent-workflow runs as an append-only event log (Arrow IPC segments, a
+content-addressed blob store, manifest commits on any fsspec storage), fold it into
+episode tables with DuckDB, grade frozen snapshots, and export training data.
+"""
+
+from __future__ import annotations
+
+from ._blobs import BlobStore, FsBlobStore
+from ._log import CommitInfo, EventLog, Transaction, open_log
+from .errors import (
+    CommitConflict,
+    CorruptionError,
+    LeaseHeld,
+    NotFound,
+    PoimenError,
+    TenantMismatch,
+    ValidationError,
+)
+from .events import BlobRef, ContextPartition, ToolInfo, Usage
+
+__all__ = [
+    "BlobRef",
+    "BlobStore",
+    "CommitConflict",
+    "CommitInfo",
+    "ContextPartition",
+    "CorruptionError",
+    "EventLog",
+    "FsBlobStore",
+    "LeaseHeld",
+    "NotFound",
+    "PoimenError",
+    "TenantMismatch",
+    "ToolInfo",
+    "Transaction",
+    "Usage",
+    "ValidationError",
+    "open_log",
+]

@@ -1,0 +1,82 @@
+"""Blob stores: the ``BlobStore`` protocol and the store of an event log.
+
+Bodies are content-addressed by sha256 within a tenant: ``blobs/<tenant>/<aa>/<sha256>``.
+``get`` verifies the body against its ref and never crosses tenants; it returns None for
+a body that was reduced and raises ``NotFound`` when no committed body exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ._manifest import blob_path
+from .errors import CorruptionError, NotFound
+from .events import BlobRef, check_ref
+
+if TYPE_CHECKING:
+    from ._log import EventLog
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    def get(self, ref: BlobRef) -> bytes | None: ...
+
+    def put(self, tenant: str, data: bytes) -> BlobRef: ...
+
+
+class FsBlobStore:
+    """The blob store of one ``EventLog``."""
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+
+    def __repr__(self) -> str:
+        return f"FsBlobStore({self._log.root!r})"
+
+    def put(self, tenant: str, data: bytes) -> BlobRef:
+        """Store a body outside an event transaction: a blob-only commit (no LSN)."""
+        with self._log.transaction() as tx:
+            ref = tx.put_blob(tenant, data)
+        return ref
+
+    def get(self, ref: BlobRef) -> bytes | None:
+        check_ref(ref, "get")
+        key = (ref.tenant, ref.sha256)
+        for fresh in (False, True):
+            if fresh:
+                self._log.refresh()
+            reduced, staged = self._log._blob_location(key)
+            if reduced:
+                return None
+            if staged is not None and key in self._log._state.recommitted:
+                data = self._log.storage.read_or_none(staged)
+                if data is not None:
+                    return self._verified(ref, data, staged)
+            data = self._log.storage.read_or_none(blob_path(ref.tenant, ref.sha256))
+            if data is not None:
+                return self._verified(ref, data, blob_path(ref.tenant, ref.sha256))
+            if staged is not None:
+                data = self._log.storage.read_or_none(staged)
+                if data is not None:
+                    return self._verified(ref, data, staged)
+                # promoted between our two reads
+                data = self._log.storage.read_or_none(blob_path(ref.tenant, ref.sha256))
+                if data is not None:
+                    return self._verified(ref, data, blob_path(ref.tenant, ref.sha256))
+        raise NotFound(f"no committed body for ref {ref.tenant}/{ref.sha256}")
+
+    def exists(self, ref: BlobRef) -> bool:
+        try:
+            return self.get(ref) is not None
+        except NotFound:
+            return False
+
+    def _verified(self, ref: BlobRef, data: bytes, rel: str) -> bytes:
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise CorruptionError(f"{self._log.storage.url_of(rel)}: body does not match "
+                                  "its sha256 (damaged)")
+        if len(data) != ref.size:
+            raise NotFound(f"no committed body of size {ref.size} for ref "
+                           f"{ref.tenant}/{ref.sha256}")
+        return data

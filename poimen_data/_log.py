@@ -1,0 +1,701 @@
+"""EventLog: transactions, the commit protocol, recovery, checkpoints and event reads.
+
+A commit stages its blobs under ``_staging/<txn>/``, writes its events as one Arrow IPC
+file ``segments/<txn>.arrow``, then publishes ``_log/<seq>.json`` put-if-absent. Losing
+the race re-reads the head and retries under the next seq without rewriting anything.
+Only after the publish are staged bodies promoted to ``blobs/``; a crash in between is
+rolled forward by the next open. See README "Storage format" for the whole protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+
+from . import events as ev
+from ._blobs import FsBlobStore
+from ._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    POINTER,
+    BlobEntry,
+    Manifest,
+    SegmentInfo,
+    blob_path,
+    checkpoint_path,
+    dumps,
+    loads,
+    manifest_path,
+    staged_blob_path,
+)
+from ._storage import Storage
+from .errors import CommitConflict, CorruptionError, NotFound, PoimenError, ValidationError
+
+CRASH_POINTS = (
+    "blob_staged",
+    "segment_written",
+    "manifest_published",
+    "blobs_promoted",
+    "state_written",
+    "state_published",
+)
+DEFAULT_CHECKPOINT_INTERVAL = 100
+MAX_COMMIT_ATTEMPTS = 10_000
+BlobKey = tuple[str, str]  # (tenant, sha256)
+
+
+def crash_point(name: str) -> None:
+    """Die here (``os._exit(137)``) when ``POIMEN_CRASH_AT`` names this point (crash tests)."""
+    if os.environ.get("POIMEN_CRASH_AT") == name:
+        os._exit(137)
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+@dataclass(frozen=True, slots=True)
+class CommitInfo:
+    seq: int | None
+    first_lsn: int
+    last_lsn: int
+
+
+class _State:
+    """What a reader knows of the log: head, live segments, reductions, pending bodies."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.lsn = 0
+        self.segments: dict[str, SegmentInfo] = {}
+        self.reduced: dict[BlobKey, int] = {}  # body -> seq of its latest reduction
+        # bodies committed again after a reduction: they stay in staging (see _promote)
+        self.recommitted: dict[BlobKey, tuple[int, str]] = {}
+        # staged bodies of manifests read since the last checkpoint: not known promoted
+        self.pending: dict[BlobKey, str] = {}
+        self.manifests_since_checkpoint: list[Manifest] = []
+        self.checkpoint_seq = 0
+
+    def apply(self, m: Manifest) -> None:
+        if m.seq != self.seq + 1:
+            raise CorruptionError(f"{manifest_path(m.seq)}: expected seq {self.seq + 1}")
+        if m.n_events and m.first_lsn != self.lsn + 1:
+            raise CorruptionError(
+                f"{manifest_path(m.seq)}: first_lsn {m.first_lsn} is not head + 1 "
+                f"({self.lsn + 1})"
+            )
+        for p in m.supersedes:
+            self.segments.pop(p, None)
+        for s in m.segments:
+            self.segments[s.path] = s
+        for t, sha in m.reduces:
+            self.reduced[(t, sha)] = m.seq
+            self.recommitted.pop((t, sha), None)
+        for b in m.blobs:
+            key = (b.tenant, b.sha256)
+            if b.staged is not None:
+                if key in self.reduced:
+                    self.recommitted[key] = (m.seq, b.staged)
+                self.pending[key] = b.staged
+            elif key in self.reduced and key not in self.recommitted:
+                # reused a reduced body: the writer must have staged it (see commit)
+                raise CorruptionError(f"{manifest_path(m.seq)}: reuses a reduced body")
+        self.seq = m.seq
+        self.lsn += m.n_events
+        self.manifests_since_checkpoint.append(m)
+
+    def is_reduced(self, key: BlobKey) -> bool:
+        return key in self.reduced and key not in self.recommitted
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "seq": self.seq,
+            "lsn": self.lsn,
+            "segments": [s.to_json() for s in sorted(self.segments.values(),
+                                                     key=lambda s: s.first_lsn)],
+            "reduced": sorted([t, sha, s] for (t, sha), s in self.reduced.items()),
+            "recommitted": sorted([t, sha, s, p]
+                                  for (t, sha), (s, p) in self.recommitted.items()),
+        }
+
+    @classmethod
+    def from_checkpoint(cls, d: dict[str, Any]) -> _State:
+        st = cls()
+        st.seq = d["seq"]
+        st.lsn = d["lsn"]
+        st.checkpoint_seq = d["seq"]
+        for s in d["segments"]:
+            info = SegmentInfo.from_json(s)
+            st.segments[info.path] = info
+        st.reduced = {(t, sha): s for t, sha, s in d["reduced"]}
+        st.recommitted = {(t, sha): (s, p) for t, sha, s, p in d["recommitted"]}
+        return st
+
+
+class EventLog:
+    """One log under a root URL. Thread-safe for readers; one transaction at a time per
+    thread. Several processes may write the same log concurrently."""
+
+    def __init__(self, storage: Storage, config: dict[str, Any]) -> None:
+        self.storage = storage
+        self.config = config
+        self.checkpoint_interval = int(config.get("checkpoint_interval",
+                                                  DEFAULT_CHECKPOINT_INTERVAL))
+        self._lock = threading.RLock()
+        self._state = _State()
+        self._tables: dict[str, pa.Table] = {}
+        self.blobs = FsBlobStore(self)
+        self._load()
+
+    # -- opening ------------------------------------------------------------------
+
+    @property
+    def root(self) -> str:
+        return self.storage.url
+
+    def __repr__(self) -> str:
+        return f"EventLog({self.root!r}, head={self._state.lsn})"
+
+    def _load(self) -> None:
+        st = self._load_checkpoint()
+        with self._lock:
+            self._state = st
+        self.refresh()
+        if self.storage.writable:
+            self._roll_forward()
+
+    def _load_checkpoint(self) -> _State:
+        """The newest intact checkpoint; a damaged one is skipped for the one before."""
+        pointer = self.storage.read_or_none(POINTER)
+        seq = 0
+        if pointer is not None:
+            try:
+                seq = int(loads(pointer, POINTER)["seq"])
+            except (CorruptionError, KeyError, ValueError, TypeError):
+                seq = 0
+        if pointer is None or seq == 0:
+            return _State()
+        interval = self.checkpoint_interval
+        candidates = [seq] + list(range((seq - 1) // interval * interval, 0, -interval))
+        for s in candidates[:20]:
+            data = self.storage.read_or_none(checkpoint_path(s))
+            if data is None:
+                continue
+            try:
+                return _State.from_checkpoint(loads(data, checkpoint_path(s)))
+            except (CorruptionError, KeyError, ValueError, TypeError):
+                continue
+        return _State()
+
+    def refresh(self) -> int:
+        """Read manifests published since the last look; returns the head LSN.
+
+        Probes ``_log/<seq+1>.json`` until one is missing: no listing on this path.
+        """
+        with self._lock:
+            st = self._state
+            while True:
+                m = self._read_manifest(st.seq + 1)
+                if m is None:
+                    return st.lsn
+                st.apply(m)
+
+    def _read_manifest(self, seq: int) -> Manifest | None:
+        name = manifest_path(seq)
+        data = self.storage.read_or_none(name)
+        if data is None:
+            return None
+        return Manifest.from_bytes(data, self.storage.url_of(name))
+
+    def read_manifest(self, seq: int) -> Manifest:
+        """One committed manifest (for ``poimen log`` and maintenance)."""
+        m = self._read_manifest(seq)
+        if m is None:
+            raise NotFound(f"no manifest for seq {seq} in {self.root}")
+        return m
+
+    @property
+    def head(self) -> int:
+        """The last committed LSN (0 when empty), after a fresh look at storage."""
+        return self.refresh()
+
+    @property
+    def head_seq(self) -> int:
+        self.refresh()
+        return self._state.seq
+
+    # -- blobs the log knows about -----------------------------------------------
+
+    def _blob_location(self, key: BlobKey) -> tuple[bool, str | None]:
+        """(reduced, staged path or None) for a body, as of the last refresh."""
+        with self._lock:
+            st = self._state
+            if st.is_reduced(key):
+                return True, None
+            if key in st.recommitted:
+                return False, st.recommitted[key][1]
+            return False, st.pending.get(key)
+
+    def _body_present(self, key: BlobKey) -> bool:
+        """True when a committed, unreduced body is there to be reused without upload."""
+        reduced, staged = self._blob_location(key)
+        if reduced:
+            return False
+        if staged is not None and key in self._state.recommitted:
+            return self.storage.exists(staged)
+        return self.storage.exists(blob_path(*key))
+
+    # -- transactions -------------------------------------------------------------
+
+    def transaction(self) -> Transaction:
+        return Transaction(self)
+
+    # -- reading events -----------------------------------------------------------
+
+    def segments(self, at_lsn: int | None = None, min_lsn: int = 1) -> list[SegmentInfo]:
+        """Live segments holding events with ``min_lsn <= lsn <= at_lsn``, in LSN order."""
+        with self._lock:
+            hi = self._state.lsn if at_lsn is None else at_lsn
+            segs = [s for s in self._state.segments.values()
+                    if s.rows and s.first_lsn <= hi and s.last_lsn >= min_lsn]
+        return sorted(segs, key=lambda s: s.first_lsn)
+
+    def _segment_table(self, s: SegmentInfo) -> pa.Table:
+        t = self._tables.get(s.path)
+        if t is not None:
+            return t
+        data = self._read_verified(s.path, s.size, s.sha256)
+        name = self.storage.url_of(s.path)
+        try:
+            reader = pa.ipc.open_file(pa.py_buffer(data))
+            t = reader.read_all()
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorruptionError(f"{name}: not a readable Arrow IPC file: {exc}") from None
+        if t.num_rows != s.rows:
+            raise CorruptionError(f"{name}: {t.num_rows} rows, manifest says {s.rows}")
+        if not s.has_lsn:
+            lsn = pa.array(range(s.first_lsn, s.first_lsn + s.rows), pa.int64())
+            seq = pa.array([s.seq] * s.rows, pa.int64())
+            t = t.add_column(0, ev.LOG_SCHEMA.field("seq"), seq)
+            t = t.add_column(0, ev.LOG_SCHEMA.field("lsn"), lsn)
+        if t.schema != ev.LOG_SCHEMA:
+            try:
+                t = t.select(ev.LOG_SCHEMA.names).cast(ev.LOG_SCHEMA)
+            except (KeyError, pa.ArrowInvalid) as exc:
+                raise CorruptionError(f"{name}: unexpected schema: {exc}") from None
+        self._tables[s.path] = t
+        return t
+
+    def _read_verified(self, rel: str, size: int, sha256: str) -> bytes:
+        name = self.storage.url_of(rel)
+        try:
+            data = self.storage.read(rel)
+        except NotFound:
+            raise CorruptionError(f"{name}: listed by a manifest but missing") from None
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+            raise CorruptionError(f"{name}: size or sha256 differs from its manifest")
+        return data
+
+    def read_events(self, at_lsn: int | None = None, min_lsn: int = 1) -> pa.Table:
+        """Every committed event with ``min_lsn <= lsn <= at_lsn`` as one LOG_SCHEMA table,
+        in LSN order. Segment files are verified against their manifest once, then cached
+        (they are immutable)."""
+        head = self.refresh()
+        hi = head if at_lsn is None else at_lsn
+        if hi < 0 or hi > head:
+            raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
+        parts = []
+        for s in self.segments(hi, min_lsn):
+            t = self._segment_table(s)
+            lo_i = max(0, min_lsn - s.first_lsn)
+            hi_i = min(s.rows, hi - s.first_lsn + 1)
+            parts.append(t.slice(lo_i, hi_i - lo_i) if (lo_i, hi_i) != (0, s.rows) else t)
+        if not parts:
+            return ev.LOG_SCHEMA.empty_table()
+        return pa.concat_tables(parts)
+
+    def seq_of_lsn(self, lsn: int) -> int:
+        """The seq of the commit that holds ``lsn`` (0 for lsn 0)."""
+        if lsn == 0:
+            return 0
+        for s in self.segments(lsn, lsn):
+            t = self._segment_table(s)
+            return int(t.column("seq")[lsn - s.first_lsn].as_py())
+        raise NotFound(f"no event with lsn {lsn}")
+
+    def manifests(self, since_seq: int = 0) -> Iterator[Manifest]:
+        """Every manifest after ``since_seq`` (reads each one: maintenance and ``poimen log``)."""
+        seq = since_seq + 1
+        while True:
+            m = self._read_manifest(seq)
+            if m is None:
+                return
+            yield m
+            seq += 1
+
+    # -- promotion, recovery, checkpoints ----------------------------------------
+
+    def _promote(self, m: Manifest) -> None:
+        """Move a committed manifest's staged bodies to ``blobs/`` (idempotent).
+
+        A body committed again after a reduction stays in staging, where ``get`` finds it
+        through the manifest: promoting it could race the reducer's delete of the same
+        name. ``vacuum`` promotes those under the maintenance lease.
+        """
+        for b in m.blobs:
+            if b.staged is None:
+                continue
+            key = (b.tenant, b.sha256)
+            with self._lock:
+                keep = key in self._state.reduced
+            if keep:
+                continue
+            dst = blob_path(b.tenant, b.sha256)
+            if self.storage.exists(dst):
+                self.storage.delete(b.staged)
+                continue
+            try:
+                self.storage.copy(b.staged, dst)
+            except NotFound:
+                if not self.storage.exists(dst):
+                    raise CorruptionError(
+                        f"{self.storage.url_of(b.staged)}: committed body missing from "
+                        "staging and from blobs/"
+                    ) from None
+                continue
+            self.storage.delete(b.staged)
+
+    def _roll_forward(self) -> int:
+        """Promote bodies of committed manifests whose writer died before promoting them."""
+        names = self.storage.list_dir("_staging")
+        if not names:
+            return 0
+        with self._lock:
+            by_txn = {m.txn: m for m in self._state.manifests_since_checkpoint}
+        n = 0
+        for txn in names:
+            m = by_txn.get(txn)
+            if m is not None:
+                self._promote(m)
+                if not self._staging_files(txn):
+                    self.storage.delete_tree(f"_staging/{txn}")
+                n += 1
+        return n
+
+    def _staging_files(self, txn: str) -> list[str]:
+        return list(self.storage.walk_files(f"_staging/{txn}"))
+
+    def _maybe_checkpoint(self, seq: int) -> None:
+        if seq % self.checkpoint_interval:
+            return
+        self.write_checkpoint(seq)
+
+    def write_checkpoint(self, seq: int | None = None) -> int:
+        """Write a checkpoint of the state at ``seq`` (default: head) once every commit it
+        covers is promoted; point ``_last_checkpoint.json`` at it."""
+        with self._lock:
+            self.refresh()
+            st = self._state
+            if seq is not None and seq != st.seq:
+                return 0  # the head moved on; a later commit writes the next one
+            for m in st.manifests_since_checkpoint:
+                self._promote(m)
+            doc = st.to_checkpoint()
+            self.storage.put_if_absent(checkpoint_path(st.seq), dumps(doc))
+            self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
+                                               "version": FORMAT_VERSION, "seq": st.seq}))
+            st.checkpoint_seq = st.seq
+            st.manifests_since_checkpoint = []
+            st.pending = {}
+            return st.seq
+
+    # -- publishing ---------------------------------------------------------------
+
+    def _publish(self, make: Any, txn: str) -> Manifest:
+        """Publish the manifest ``make(seq, first_lsn)`` at the next free seq."""
+        for _ in range(MAX_COMMIT_ATTEMPTS):
+            with self._lock:
+                self.refresh()
+                seq, first = self._state.seq + 1, self._state.lsn + 1
+                m: Manifest = make(seq, first)
+                name = manifest_path(seq)
+                try:
+                    won = self.storage.put_if_absent(name, m.to_bytes())
+                except (OSError, TimeoutError):
+                    # ambiguous: did it land? Re-read the name and look for our txn.
+                    got = self._read_manifest(seq)
+                    won = got is not None and got.txn == txn
+                    if got is None:
+                        continue
+                if won:
+                    self._state.apply(m)
+                    return m
+        raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
+
+
+class Transaction:
+    """A batch of blobs and events that becomes visible at once, or not at all."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.txn = uuid.uuid4().hex
+        self._events: list[ev.Event] = []
+        self._stamps: list[datetime] = []
+        self._tables: list[pa.Table] = []
+        self._staged: dict[BlobKey, BlobEntry] = {}
+        self._reused: dict[BlobKey, bytes] = {}
+        self._failed: BaseException | None = None
+        self._done = False
+        self.commit_info: CommitInfo | None = None
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    @property
+    def n_events(self) -> int:
+        return len(self._events) + sum(t.num_rows for t in self._tables)
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise PoimenError("transaction already committed or aborted")
+
+    # -- blobs --------------------------------------------------------------------
+
+    def put_blob(self, tenant: str, data: bytes) -> ev.BlobRef:
+        """Stage a body (or reuse the committed one with the same hash) and return its ref."""
+        self._check_open()
+        ev.check_tenant(tenant, "put_blob")
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ValidationError(f"put_blob: field 'data' must be bytes, got "
+                                  f"{type(data).__name__}")
+        data = bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        key = (tenant, sha)
+        ref = ev.BlobRef(tenant, sha, len(data))
+        if key in self._staged or key in self._reused:
+            return ref
+        if self.log._body_present(key):
+            self._reused[key] = data
+            return ref
+        self._stage(key, data)
+        return ref
+
+    def _stage(self, key: BlobKey, data: bytes) -> None:
+        path = staged_blob_path(self.txn, *key)
+        self.log.storage.write(path, data)
+        self._staged[key] = BlobEntry(key[0], key[1], len(data), path)
+        crash_point("blob_staged")
+
+    # -- events -------------------------------------------------------------------
+
+    def append(self, event: ev.Event) -> None:
+        self._check_open()
+        try:
+            ev.validate_event(event, f"event {self.n_events}")
+        except ValidationError as exc:
+            self._failed = exc
+            raise
+        self._events.append(event)
+        self._stamps.append(datetime.now(UTC) if event.ts is None else event.ts)
+
+    def extend(self, events: Iterable[ev.Event] | pa.Table) -> None:
+        """Append many events: event objects, or a ``pyarrow.Table`` (the bulk fast path)."""
+        self._check_open()
+        if isinstance(events, pa.Table | pa.RecordBatch):
+            table = pa.Table.from_batches([events]) if isinstance(events, pa.RecordBatch) \
+                else events
+            try:
+                t = ev.validate_table(table, f"table (events from {self.n_events})")
+            except ValidationError as exc:
+                self._failed = exc
+                raise
+            if self._events:
+                self._flush_objects()
+            self._tables.append(t)
+            return
+        for e in events:
+            self.append(e)
+
+    def _flush_objects(self) -> None:
+        if self._events:
+            self._tables.append(ev.events_to_table(self._events, self._stamps))
+            self._events, self._stamps = [], []
+
+    # -- commit -------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Drop everything staged; nothing of this transaction becomes visible."""
+        if self._done:
+            return
+        self._done = True
+        for b in self._staged.values():
+            if b.staged:
+                self.log.storage.delete(b.staged)
+        if self._staged:
+            self.log.storage.delete_tree(f"_staging/{self.txn}")
+
+    def _check_refs(self, table: pa.Table) -> None:
+        """Every ref must be a body of this transaction or a committed, unreduced one."""
+        mine = set(self._staged) | set(self._reused)
+        for ref in ev.table_refs(table):
+            key = (ref.tenant, ref.sha256)
+            if key in mine:
+                continue
+            if not self.log._body_present(key) and not self._staged_elsewhere(key):
+                self._failed = ValidationError(
+                    f"event ref {ref.sha256[:12]}… of tenant {ref.tenant!r}: no committed "
+                    "body (put it with tx.put_blob in this transaction)"
+                )
+                raise self._failed
+            if ref.size != self._committed_size(key):
+                self._failed = ValidationError(
+                    f"event ref {ref.sha256[:12]}…: size {ref.size} does not match the body"
+                )
+                raise self._failed
+
+    def _staged_elsewhere(self, key: BlobKey) -> bool:
+        reduced, staged = self.log._blob_location(key)
+        return not reduced and staged is not None and self.log.storage.exists(staged)
+
+    def _committed_size(self, key: BlobKey) -> int | None:
+        size = self.log.storage.size(blob_path(*key))
+        if size is None:
+            _reduced, staged = self.log._blob_location(key)
+            size = self.log.storage.size(staged) if staged else None
+        return size
+
+    def commit(self) -> CommitInfo:
+        self._check_open()
+        if self._failed is not None:
+            self.abort()
+            raise ValidationError(f"transaction rejected whole: {self._failed}")
+        try:
+            self._flush_objects()
+            if self._tables:
+                table = pa.concat_tables(self._tables) if len(self._tables) > 1 \
+                    else self._tables[0]
+                self._check_refs(table)
+            else:
+                table = None
+            if table is None and not self._staged and not self._reused:
+                self._done = True
+                head = self.log.head
+                self.commit_info = CommitInfo(None, head + 1, head)
+                return self.commit_info
+            seg = self._write_segment(table) if table is not None else None
+            m = self.log._publish(lambda seq, first: self._manifest(seq, first, seg, table),
+                                  self.txn)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        crash_point("manifest_published")
+        self.log._promote(m)
+        if not self._has_kept_staging(m):
+            self.log.storage.delete_tree(f"_staging/{self.txn}")
+        crash_point("blobs_promoted")
+        self.log._maybe_checkpoint(m.seq)
+        self.commit_info = CommitInfo(m.seq, m.first_lsn, m.last_lsn)
+        return self.commit_info
+
+    def _has_kept_staging(self, m: Manifest) -> bool:
+        return any(b.staged and (b.tenant, b.sha256) in self.log._state.reduced
+                   for b in m.blobs)
+
+    def _write_segment(self, table: pa.Table) -> SegmentInfo:
+        sink = io.BytesIO()
+        with pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        data = sink.getvalue()
+        path = f"segments/{self.txn}.arrow"
+        self.log.storage.write(path, data)
+        crash_point("segment_written")
+        return SegmentInfo(path, table.num_rows, len(data), hashlib.sha256(data).hexdigest(),
+                           0, 0)
+
+    def _manifest(self, seq: int, first: int, seg: SegmentInfo | None,
+                  table: pa.Table | None) -> Manifest:
+        # A body reused at put time may have been reduced since: stage it ourselves now,
+        # before the publish, so this commit never points at a body a reducer deletes.
+        for key, data in list(self._reused.items()):
+            if self.log._state.is_reduced(key) or not self.log._body_present(key):
+                del self._reused[key]
+                self._stage(key, data)
+        blobs = [self._staged[k] for k in sorted(self._staged)]
+        blobs += [ev_entry for k in sorted(self._reused)
+                  for ev_entry in (BlobEntry(k[0], k[1], len(self._reused[k]), None),)]
+        reduces: list[tuple[str, str]] = []
+        if table is not None:
+            kinds = table.column("kind")
+            if "blob_reduced" in set(kinds.unique().to_pylist()):
+                mask = [k == "blob_reduced" for k in kinds.to_pylist()]
+                for d in table.filter(pa.array(mask)).column("original").to_pylist():
+                    reduces.append((d["tenant"], d["sha256"]))
+        segs: tuple[SegmentInfo, ...] = ()
+        n = 0
+        if seg is not None:
+            segs = (SegmentInfo(seg.path, seg.rows, seg.size, seg.sha256, first, seq),)
+            n = seg.rows
+        return Manifest(
+            seq=seq, txn=self.txn, kind="append" if n else "blobs", first_lsn=first,
+            n_events=n, ts=_now_iso(), segments=segs, blobs=tuple(blobs),
+            reduces=tuple(sorted(set(reduces))),
+        )
+
+
+# -- opening ---------------------------------------------------------------------------
+
+
+def open_log(
+    root: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    create: bool = True,
+    *,
+    checkpoint_interval: int | None = None,
+) -> EventLog:
+    """Open (or create) the log under ``root``: a local path or any fsspec URL."""
+    if isinstance(root, EventLog):
+        return root
+    storage = Storage(os.fspath(root), storage_options)
+    try:
+        raw = storage.read_or_none("_poimen.json")
+    except (OSError, ValueError) as exc:
+        raise PoimenError(f"cannot read {storage.url}: {exc}") from None
+    if raw is None:
+        if not create:
+            raise NotFound(f"no poimen log at {storage.url} (open with create=True to make one)")
+        config = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "created": _now_iso(),
+            "checkpoint_interval": checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL,
+        }
+        storage.put_if_absent("_poimen.json", dumps(config))
+        raw = storage.read("_poimen.json")
+    config = loads(raw, storage.url_of("_poimen.json"))
+    return EventLog(storage, config)
+
+
+def commit_events(log: EventLog, events: Sequence[ev.Event]) -> CommitInfo:
+    """Commit a list of events as one transaction (a convenience for scripts and tests)."""
+    with log.transaction() as tx:
+        tx.extend(events)
+    assert tx.commit_info is not None
+    return tx.commit_info

@@ -1,0 +1,284 @@
+"""The only module that imports fsspec: a root URL becomes a ``Storage`` with the few
+operations the log needs, above all an atomic put-if-absent per backend.
+
+Local disk: temp file + fsync + ``os.link`` (fails if the name is taken); S3: a
+conditional PUT (``If-None-Match: *``, sent by s3fs for mode ``"xb"``); ``memory://``:
+a process-wide lock around check-and-write (the store itself is process-wide). Any other
+backend is refused for writing, because it has no real put-if-absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+
+from .errors import NotFound, PoimenError
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class Storage:
+    """A root on some filesystem; every path argument is relative to the root."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(url, str | os.PathLike) or not str(url):
+            raise PoimenError(f"not a storage URL: {url!r}")
+        url = os.fspath(url)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError, TypeError) as exc:
+            raise PoimenError(f"cannot open storage {url!r}: {exc}") from None
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        if "file" in protocols or "local" in protocols:
+            self.kind = "local"
+            root = os.path.abspath(root)
+        elif "memory" in protocols:
+            self.kind = "memory"
+        elif "s3" in protocols or "s3a" in protocols:
+            self.kind = "s3"
+        else:
+            self.kind = protocols[0]
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        self.storage_options = dict(storage_options or {})
+
+    # -- names ----------------------------------------------------------------------
+
+    def full(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def url_of(self, rel: str) -> str:
+        """A URL for ``rel`` that other fsspec users (DuckDB, pyarrow) can open."""
+        if self.kind == "local":
+            return self.full(rel)
+        proto = "s3" if self.kind == "s3" else self.kind
+        return f"{proto}://{self.full(rel).lstrip('/')}"
+
+    @property
+    def writable(self) -> bool:
+        return self.kind in ("local", "memory", "s3")
+
+    def _require_writable(self) -> None:
+        if not self.writable:
+            raise PoimenError(
+                f"storage {self.url!r} ({self.kind}) has no atomic put-if-absent; "
+                "it is refused for writers"
+            )
+
+    # -- reads ----------------------------------------------------------------------
+
+    def read(self, rel: str) -> bytes:
+        path = self.full(rel)
+        try:
+            if self.kind == "local":
+                with open(path, "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise NotFound(f"no such file: {self.url_of(rel)}") from None
+
+    def read_or_none(self, rel: str) -> bytes | None:
+        try:
+            return self.read(rel)
+        except NotFound:
+            return None
+
+    def exists(self, rel: str) -> bool:
+        if self.kind == "local":
+            return os.path.exists(self.full(rel))
+        return bool(self.fs.exists(self.full(rel)))
+
+    def size(self, rel: str) -> int | None:
+        try:
+            if self.kind == "local":
+                return os.stat(self.full(rel)).st_size
+            return int(self.fs.size(self.full(rel)))
+        except FileNotFoundError:
+            return None
+
+    def mtime(self, rel: str) -> float | None:
+        """Modification time as a Unix timestamp, or None when the file is gone."""
+        try:
+            if self.kind == "local":
+                return os.stat(self.full(rel)).st_mtime
+            info = self.fs.info(self.full(rel))
+        except FileNotFoundError:
+            return None
+        for key in ("LastModified", "created", "mtime"):
+            v = info.get(key)
+            if v is not None:
+                return v.timestamp() if hasattr(v, "timestamp") else float(v)
+        return None
+
+    def walk_files(self, rel: str) -> Iterator[str]:
+        """Every file below ``rel`` (relative paths). Maintenance only: never on a commit path."""
+        base = self.full(rel)
+        if self.kind == "local":
+            if not os.path.isdir(base):
+                return
+            for dirpath, _dirs, files in os.walk(base):
+                for name in files:
+                    yield os.path.relpath(os.path.join(dirpath, name), self.root)
+            return
+        self.invalidate(rel)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return
+        prefix = self.root.strip("/") + "/"
+        for p in found:
+            p = p.lstrip("/")
+            if p.startswith(prefix):
+                yield p[len(prefix):]
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Names directly below ``rel`` (maintenance only)."""
+        base = self.full(rel)
+        if self.kind == "local":
+            try:
+                return sorted(os.listdir(base))
+            except FileNotFoundError:
+                return []
+        self.invalidate(rel)
+        try:
+            entries = self.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def invalidate(self, rel: str = "") -> None:
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache(self.full(rel))
+
+    # -- writes ---------------------------------------------------------------------
+
+    def write(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+        """Write a whole file; atomic for readers (temp + rename locally, one PUT on S3)."""
+        self._require_writable()
+        path = self.full(rel)
+        if self.kind == "local":
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    if durable:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            return
+        self.fs.pipe_file(path, data)
+
+    def put_if_absent(self, rel: str, data: bytes) -> bool:
+        """Create ``rel`` with ``data`` unless it exists. True when this call created it.
+
+        The check and the write are one atomic step on every supported backend, so of
+        several racers exactly one wins.
+        """
+        self._require_writable()
+        path = self.full(rel)
+        if self.kind == "local":
+            d = os.path.dirname(path)
+            os.makedirs(d, exist_ok=True)
+            tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            _fsync_dir(d)
+            return True
+        if self.kind == "memory":
+            with _MEMORY_LOCK:
+                if self.fs.exists(path):
+                    return False
+                self.fs.pipe_file(path, data)
+                return True
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+                return False
+            raise
+        return True
+
+    def delete(self, rel: str) -> bool:
+        """Remove one file; False when it was already gone."""
+        self._require_writable()
+        path = self.full(rel)
+        try:
+            if self.kind == "local":
+                os.unlink(path)
+            else:
+                if not self.fs.exists(path):
+                    return False
+                self.fs.rm_file(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def delete_tree(self, rel: str) -> int:
+        """Remove every file below ``rel``; returns how many."""
+        n = 0
+        for f in list(self.walk_files(rel)):
+            n += self.delete(f)
+        if self.kind == "local":
+            base = self.full(rel)
+            for dirpath, _dirs, _files in os.walk(base, topdown=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
+        return n
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy ``src`` to ``dst`` atomically for readers of ``dst``."""
+        self._require_writable()
+        if self.kind == "local":
+            dpath = self.full(dst)
+            os.makedirs(os.path.dirname(dpath), exist_ok=True)
+            tmp = f"{dpath}.tmp-{uuid.uuid4().hex}"
+            try:
+                os.link(self.full(src), tmp)
+            except FileNotFoundError:
+                raise NotFound(f"no such file: {self.url_of(src)}") from None
+            os.replace(tmp, dpath)
+            return
+        try:
+            self.fs.copy(self.full(src), self.full(dst))
+        except FileNotFoundError:
+            raise NotFound(f"no such file: {self.url_of(src)}") from None
+
+    def now(self) -> float:
+        return time.time()
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
