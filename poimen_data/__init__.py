@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._blobs import BlobStore, FsBlobStore
 from ._log import CommitInfo, EventLog, Transaction, open_log
+from ._maint import compact, reduce, vacuum
 from .errors import (
     CommitConflict,
     CorruptionError,
@@ -37,5 +38,8 @@ __all__ = [
     "Transaction",
     "Usage",
     "ValidationError",
+    "compact",
     "open_log",
+    "reduce",
+    "vacuum",
 ]

@@ -1,0 +1,314 @@
+"""Maintenance of a log: reduction, vacuum and compaction, under one lease.
+
+All three delete or supersede files, so they run one at a time per log: each takes the
+maintenance lease ``_lease.json`` (put-if-absent, with an expiry) and raises
+``LeaseHeld`` when another process has it. Writers never take the lease; the commit
+protocol in ``_log`` keeps them safe from what maintenance removes:
+
+- a writer reuses a body only while it is committed and not reduced; if a reduction
+  lands before its publish it stages the body itself (``Transaction._manifest``);
+- a body committed again after a reduction stays in its staging area (``_promote``), so
+  a reducer deleting ``blobs/<t>/<aa>/<sha>`` can never delete a newer commit's body;
+- vacuum removes staging areas and segments by reachability from every manifest and
+  only when older than the grace period, so a writer between staging and publishing
+  keeps its files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import orjson
+import pyarrow as pa
+
+from . import events as ev
+from ._log import EventLog, _now_iso
+from ._manifest import Manifest, SegmentInfo, blob_path
+from .errors import LeaseHeld, ValidationError
+
+LEASE = "_lease.json"
+LEASE_TTL_S = 600.0
+DEFAULT_GRACE_S = 3600.0
+COMPACT_TARGET_ROWS = 100_000
+
+
+@contextlib.contextmanager
+def lease(log: EventLog, ttl_s: float = LEASE_TTL_S) -> Iterator[str]:
+    """Hold the maintenance lease of ``log`` for the block.
+
+    A lease past its expiry is taken over (its holder died). Taking over is not atomic
+    with the read of the stale lease; two processes breaking the same stale lease at the
+    same instant is the one case this does not exclude.
+    """
+    owner = uuid.uuid4().hex
+    body = orjson.dumps({"owner": owner, "expires": time.time() + ttl_s})
+    st = log.storage
+    if not st.put_if_absent(LEASE, body):
+        raw = st.read_or_none(LEASE)
+        try:
+            held = orjson.loads(raw) if raw is not None else None
+        except orjson.JSONDecodeError:
+            held = None
+        if held is not None and held.get("expires", 0) > time.time():
+            raise LeaseHeld(f"{log.root}: maintenance lease held by {held.get('owner')} "
+                            f"for {held['expires'] - time.time():.0f} s more")
+        st.delete(LEASE)
+        if not st.put_if_absent(LEASE, body):
+            raise LeaseHeld(f"{log.root}: maintenance lease taken by another process")
+    try:
+        yield owner
+    finally:
+        raw = st.read_or_none(LEASE)
+        if raw is not None and orjson.loads(raw).get("owner") == owner:
+            st.delete(LEASE)
+
+
+# --- reduce ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReduceReport:
+    reduced: tuple[tuple[ev.BlobRef, ev.BlobRef], ...]  # (original, summary)
+    skipped: tuple[ev.BlobRef, ...]  # already reduced
+    bytes_freed: int
+    lsn: int | None
+
+
+def reduce(
+    log: EventLog,
+    refs: Iterable[ev.BlobRef],
+    summarize: Callable[[bytes], bytes | str],
+) -> ReduceReport:
+    """Replace bodies by summaries: one commit of ``blob_reduced`` events (with the
+    summaries as blobs), then delete the originals. ``get`` of an original returns None
+    from then on."""
+    refs = list(dict.fromkeys(refs))
+    for r in refs:
+        ev.check_ref(r, "reduce")
+    with lease(log):
+        log.refresh()
+        done: list[tuple[ev.BlobRef, ev.BlobRef]] = []
+        skipped: list[ev.BlobRef] = []
+        with log.transaction() as tx:
+            for r in refs:
+                body = log.blobs.get(r)
+                if body is None:
+                    skipped.append(r)
+                    continue
+                out = summarize(body)
+                data = out.encode() if isinstance(out, str) else bytes(out)
+                s = tx.put_blob(r.tenant, data)
+                if s.sha256 == r.sha256:
+                    raise ValidationError(f"reduce: the summary of {r.sha256[:12]}… is the "
+                                          "body itself; nothing would be reduced")
+                tx.append(ev.BlobReduced(r.tenant, r, s))
+                done.append((r, s))
+        freed = 0
+        for r, _s in done:
+            freed += _delete_body(log, (r.tenant, r.sha256))
+    info = tx.commit_info
+    return ReduceReport(tuple(done), tuple(skipped), freed,
+                        info.last_lsn if info and info.seq and done else None)
+
+
+def _delete_body(log: EventLog, key: tuple[str, str]) -> int:
+    """Delete every stored copy of a reduced body (blobs/ and committed staging)."""
+    freed = 0
+    st = log.storage
+    paths = [blob_path(*key)]
+    with log._lock:
+        staged = log._state.pending.get(key)
+    if staged:
+        paths.append(staged)
+    for p in paths:
+        size = st.size(p)
+        if size is not None and st.delete(p):
+            freed += size
+    return freed
+
+
+# --- vacuum ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VacuumReport:
+    staging_removed: int = 0  # files of uncommitted staging areas
+    staging_promoted: int = 0  # bodies of committed staging areas rolled forward
+    segments_removed: int = 0
+    bodies_removed: int = 0
+    bytes_removed: int = 0
+    kept_young: int = 0  # files left because they are younger than the grace period
+    details: tuple[str, ...] = field(default=())
+
+
+def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
+           retention: float | None = None) -> VacuumReport:
+    """Remove what no retained manifest reaches, once older than ``grace`` seconds.
+
+    - staging of commits that never published (a crash, an abort) is removed; staging of
+      published commits is promoted first;
+    - segment files no manifest lists (a crash before publish) are removed, and segments
+      superseded by compaction once the compaction is older than ``retention`` (default:
+      ``grace``). Manifests are never removed, and compacted segments keep every LSN, so
+      ``at_lsn`` time travel reaches back to LSN 1 whatever vacuum removed;
+    - bodies in ``blobs/`` that no manifest covers, or whose last mention is a reduction.
+    ``grace=0`` removes all of that at once: safe only when no other writer is active.
+    """
+    retention = grace if retention is None else retention
+    st = log.storage
+    now = time.time()
+    with lease(log):
+        # List first, then read the manifests: a file listed here whose commit published
+        # before the read below is seen as committed.
+        staging = st.list_dir("_staging")
+        seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
+        body_files = [f for f in st.walk_files("blobs")]
+        log.refresh()
+        manifests = list(log.manifests())
+        committed = {m.txn: m for m in manifests}
+        live_segments = set(log._state.segments)
+        listed: set[str] = set()
+        superseded_at: dict[str, str] = {}
+        latest: dict[tuple[str, str], str] = {}  # body -> "commit" | "reduce"
+        for m in manifests:
+            listed.update(s.path for s in m.segments)
+            for p in m.supersedes:
+                superseded_at[p] = m.ts
+            for b in m.blobs:
+                latest[(b.tenant, b.sha256)] = "commit"
+            for key in m.reduces:
+                latest[key] = "reduce"
+
+        def old(rel: str, limit: float) -> bool:
+            t = st.mtime(rel)
+            return t is None or now - t >= limit
+
+        removed = promoted = segs = bodies = nbytes = young = 0
+        for txn in staging:
+            files = list(st.walk_files(f"_staging/{txn}"))
+            if txn in committed:
+                for b in committed[txn].blobs:
+                    if b.staged is None or not st.exists(b.staged):
+                        continue
+                    key = (b.tenant, b.sha256)
+                    if latest.get(key) != "reduce" and not st.exists(blob_path(*key)):
+                        st.copy(b.staged, blob_path(*key))
+                        promoted += 1
+                    nbytes += st.size(b.staged) or 0
+                    st.delete(b.staged)
+                st.delete_tree(f"_staging/{txn}")
+                continue
+            if files and not all(old(f, grace) for f in files):
+                young += len(files)
+                continue
+            for f in files:
+                nbytes += st.size(f) or 0
+                removed += st.delete(f)
+            st.delete_tree(f"_staging/{txn}")
+        for p in seg_files:
+            if p in live_segments:
+                continue
+            if p in listed:
+                ts = superseded_at.get(p)
+                if ts is None or _age(ts, now) < retention:
+                    young += ts is not None
+                    continue
+            elif not old(p, grace):
+                young += 1
+                continue
+            nbytes += st.size(p) or 0
+            segs += st.delete(p)
+        for p in body_files:
+            parts = p.split("/")
+            if len(parts) != 4:
+                continue
+            key = (parts[1], parts[3])
+            state = latest.get(key)
+            if state == "commit":
+                continue
+            if state is None and not old(p, grace):
+                young += 1
+                continue
+            nbytes += st.size(p) or 0
+            bodies += st.delete(p)
+        log.refresh()
+    return VacuumReport(removed, promoted, segs, bodies, nbytes, young)
+
+
+def _age(ts_iso: str, now: float) -> float:
+    from datetime import datetime
+
+    return now - datetime.fromisoformat(ts_iso).timestamp()
+
+
+# --- compact ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    segments_before: int
+    segments_after: int
+    rewritten: int  # small segments replaced
+    written: int  # new segments
+    seq: int | None
+
+
+def compact(log: EventLog, *, target_rows: int = COMPACT_TARGET_ROWS,
+            min_rows: int | None = None) -> CompactReport:
+    """Rewrite runs of small consecutive segments into segments of about ``target_rows``.
+
+    Events, LSNs and seqs are unchanged (compacted segments store ``lsn`` and ``seq``);
+    one manifest of kind ``compact`` adds the new files and supersedes the old ones, so
+    readers skip them. A checkpoint follows, so opening stays flat.
+    """
+    small = target_rows // 2 if min_rows is None else min_rows
+    with lease(log):
+        log.refresh()
+        segs = log.segments()
+        before = len(segs)
+        groups: list[list[SegmentInfo]] = []
+        cur: list[SegmentInfo] = []
+        for s in segs:
+            if s.rows >= small:
+                if len(cur) > 1:
+                    groups.append(cur)
+                cur = []
+                continue
+            if cur and sum(x.rows for x in cur) + s.rows > target_rows:
+                if len(cur) > 1:
+                    groups.append(cur)
+                cur = []
+            cur.append(s)
+        if len(cur) > 1:
+            groups.append(cur)
+        if not groups:
+            return CompactReport(before, before, 0, 0, None)
+        txn = uuid.uuid4().hex
+        new: list[SegmentInfo] = []
+        for i, g in enumerate(groups):
+            table = pa.concat_tables([log._segment_table(s) for s in g]).combine_chunks()
+            sink = io.BytesIO()
+            with pa.ipc.new_file(sink, ev.LOG_SCHEMA) as w:
+                w.write_table(table.cast(ev.LOG_SCHEMA))
+            data = sink.getvalue()
+            path = f"segments/{txn}-{i:05d}.arrow"
+            log.storage.write(path, data)
+            new.append(SegmentInfo(path, table.num_rows, len(data),
+                                   hashlib.sha256(data).hexdigest(), g[0].first_lsn,
+                                   min(s.seq for s in g), has_lsn=True))
+        gone = tuple(s.path for g in groups for s in g)
+
+        def make(seq: int, first: int) -> Manifest:
+            return Manifest(seq=seq, txn=txn, kind="compact", first_lsn=first, n_events=0,
+                            ts=_now_iso(), segments=tuple(new), supersedes=gone)
+
+        m = log._publish(make, txn)
+        log.write_checkpoint()
+    return CompactReport(before, before - len(gone) + len(new), len(gone), len(new), m.seq)
+
