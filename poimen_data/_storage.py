@@ -31,8 +31,12 @@ class Storage:
         if not isinstance(url, str | os.PathLike) or not str(url):
             raise PoimenError(f"not a storage URL: {url!r}")
         url = os.fspath(url)
+        opts = dict(storage_options or {})
+        if url.startswith(("s3://", "s3a://")):
+            # Another process's new keys must never hide behind a cached listing.
+            opts.setdefault("use_listings_cache", False)
         try:
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            fs, root = fsspec.core.url_to_fs(url, **opts)
         except (ImportError, ValueError, TypeError) as exc:
             raise PoimenError(f"cannot open storage {url!r}: {exc}") from None
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)

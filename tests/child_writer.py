@@ -73,6 +73,26 @@ def hammer(log: pdm.EventLog, who: str, n: int) -> None:
                                         output=own))
 
 
+def paused_commit(log: pdm.EventLog, run_id: str, body: bytes) -> None:
+    """Stage (or reuse) ``body``, tell the parent, wait for it, then commit."""
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", body)
+        tx.append(E.AttemptDispatched("acme", run_id, 0, "s", 0, 1, prompt=ref))
+        sys.stdout.write("staged\n")
+        sys.stdout.flush()
+        sys.stdin.readline()
+
+
+def appender(log: pdm.EventLog, who: str, n: int) -> None:
+    """``n`` one-event commits (for the compaction race)."""
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+    for i in range(n):
+        with log.transaction() as tx:
+            tx.append(E.AttemptDispatched("acme", f"run-{who}", 0, "s", i, 1))
+
+
 def main() -> None:
     mode, root = sys.argv[1], sys.argv[2]
     log = open_root(root)
@@ -86,6 +106,10 @@ def main() -> None:
         sys.stdout.flush()
         sys.stdin.readline()  # the rendezvous: the parent releases every writer at once
         hammer(log, who, n)
+    elif mode == "paused":
+        paused_commit(log, sys.argv[3], sys.argv[4].encode())
+    elif mode == "append":
+        appender(log, sys.argv[3], int(sys.argv[4]))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -1,0 +1,193 @@
+"""Reduction, vacuum, compaction, and the races of content addressing (real processes)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from conftest import BUCKET, Root
+from test_log_processes import CHILD, _assert_consistent, _env
+
+import poimen_data as pdm
+from poimen_data import events as E
+from poimen_data._maint import lease
+from poimen_data._manifest import blob_path
+
+
+def _digest(t: pa.Table) -> str:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t.combine_chunks())
+    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+
+@pytest.fixture(params=["local", "s3"])
+def proc_root(request: pytest.FixtureRequest, tmp_path: Path) -> Root:
+    if request.param == "local":
+        return Root(str(tmp_path / "log"), None, "local")
+    s3 = request.getfixturevalue("s3")
+    return Root(f"s3://{BUCKET}/{os.urandom(8).hex()}", s3.storage_options, "s3")
+
+
+def test_reduce_replaces_body_by_summary(root: Root) -> None:
+    log = root.open()
+    with log.transaction() as tx:
+        big = tx.put_blob("acme", b"very long output " * 1000)
+        tx.append(E.RunStarted("acme", "r", "wf"))
+        tx.append(E.AttemptDispatched("acme", "r", 0, "s", 0, 1))
+        tx.append(E.AttemptFinished("acme", "r", 0, "s", 1, "succeeded", output=big))
+    rep = pdm.reduce(log, [big], lambda b: b"summary: " + str(len(b)).encode())
+    assert len(rep.reduced) == 1 and rep.bytes_freed == big.size and rep.lsn == 4
+    summary = rep.reduced[0][1]
+    again = root.open()
+    assert again.blobs.get(big) is None
+    assert again.blobs.get(summary) == b"summary: 17000"
+    assert not again.storage.exists(blob_path("acme", big.sha256))
+    last = E.event_from_row(again.read_events().slice(3).to_pylist()[0])
+    assert last == E.BlobReduced("acme", big, summary, ts=last.ts)
+    assert pdm.reduce(again, [big], lambda b: b"x").skipped == (big,)
+    with pytest.raises(pdm.ValidationError, match="body itself"):
+        pdm.reduce(again, [summary], lambda b: b)
+    _assert_consistent(again)
+
+
+def test_lease_is_exclusive(root: Root) -> None:
+    log = root.open()
+    with lease(log):
+        with pytest.raises(pdm.LeaseHeld):
+            pdm.vacuum(log, grace=0)
+    assert pdm.vacuum(log, grace=0).bodies_removed == 0  # released
+
+
+def test_compact_keeps_every_event_and_lsn(root: Root) -> None:
+    log = root.open()
+    for i in range(60):
+        with log.transaction() as tx:
+            tx.append(E.AttemptDispatched("acme", f"r{i % 7}", 0, "s", i, 1))
+            tx.append(E.AttemptFinished("acme", f"r{i % 7}", 0, "s", 1, "failed"))
+    before = log.read_events()
+    at_50 = log.read_events(at_lsn=50)
+    rep = pdm.compact(log, target_rows=50)
+    assert (rep.segments_before, rep.rewritten) == (60, 60)
+    assert rep.segments_after == 3 and len(log.segments()) == 3
+    fresh = root.open()
+    assert _digest(fresh.read_events()) == _digest(before)
+    assert _digest(fresh.read_events(at_lsn=50)) == _digest(at_50)
+    v = pdm.vacuum(fresh, grace=0)
+    assert v.segments_removed == 60
+    assert len(list(fresh.storage.walk_files("segments"))) == 3
+    assert _digest(root.open().read_events()) == _digest(before)
+    assert fresh.read_manifest(61).kind == "compact"
+    # appends after compaction continue the LSNs
+    with fresh.transaction() as tx:
+        tx.append(E.RunStarted("acme", "after", "wf"))
+    assert tx.commit_info == pdm.CommitInfo(62, 121, 121)
+
+
+def _start(root: Root, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, CHILD, args[0], root.url, *args[1:]],
+                            env=_env(root), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _wait_for(p: subprocess.Popen, word: bytes) -> None:
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line == word + b"\n", (line, p.stderr.read() if p.stderr else b"")
+
+
+def _release(p: subprocess.Popen) -> None:
+    assert p.stdin is not None
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()[-2000:]
+
+
+@pytest.mark.parametrize("rep", range(3))
+def test_race_vacuum_while_writer_is_staged(proc_root: Root, rep: int) -> None:
+    log = proc_root.open()
+    writer = _start(proc_root, "paused", f"run-{rep}", f"fresh body {rep}")
+    _wait_for(writer, b"staged")
+    report = pdm.vacuum(log)  # default grace: the writer's staging is young
+    assert report.staging_removed == 0 and report.kept_young >= 1
+    _release(writer)
+    after = proc_root.open()
+    assert after.head == 1
+    ref = E.event_from_row(after.read_events().to_pylist()[0]).prompt
+    assert after.blobs.get(ref) == f"fresh body {rep}".encode()
+    pdm.vacuum(after, grace=0)
+    _assert_consistent(proc_root.open())
+
+
+@pytest.mark.parametrize("rep", range(3))
+def test_race_writer_reuses_body_while_reduce_deletes_it(proc_root: Root, rep: int) -> None:
+    log = proc_root.open()
+    body = f"shared body {rep} " * 20
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", body.encode())
+        tx.append(E.AttemptDispatched("acme", "old", 0, "s", 0, 1, prompt=ref))
+    writer = _start(proc_root, "paused", "new", body)
+    _wait_for(writer, b"staged")  # the writer decided to reuse the committed body
+    pdm.reduce(log, [ref], lambda b: b"short")
+    assert not log.storage.exists(blob_path("acme", ref.sha256))
+    _release(writer)
+    after = proc_root.open()
+    assert after.head == 3
+    events = after.read_events().to_pylist()
+    assert [e["kind"] for e in events] == ["attempt_dispatched", "blob_reduced",
+                                           "attempt_dispatched"]
+    # committed after the reduction: its body is there again, staged by the writer
+    assert after.blobs.get(ref) == body.encode()
+    pdm.vacuum(after, grace=0)
+    again = proc_root.open()
+    assert again.blobs.get(ref) == body.encode()
+    _assert_consistent(again)
+
+
+@pytest.mark.parametrize("rep", range(2))
+def test_race_vacuum_while_writer_reuses_body(proc_root: Root, rep: int) -> None:
+    log = proc_root.open()
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"kept body")
+        tx.append(E.AttemptDispatched("acme", "old", 0, "s", 0, 1, prompt=ref))
+    writer = _start(proc_root, "paused", "new", "kept body")
+    _wait_for(writer, b"staged")
+    pdm.vacuum(log, grace=0)  # the body is committed: vacuum must keep it
+    _release(writer)
+    after = proc_root.open()
+    assert after.blobs.get(ref) == b"kept body"
+    _assert_consistent(after)
+
+
+@pytest.mark.parametrize("rep", range(2))
+def test_race_compaction_while_appending(proc_root: Root, rep: int) -> None:
+    log = proc_root.open()
+    n0 = 30 if proc_root.backend == "local" else 10
+    for i in range(n0):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"pre-{i}", "wf"))
+    n = 40 if proc_root.backend == "local" else 10
+    writer = _start(proc_root, "append", "w", str(n))
+    _wait_for(writer, b"ready")
+    assert writer.stdin is not None
+    writer.stdin.write(b"go\n")
+    writer.stdin.flush()
+    rep_c = pdm.compact(log, target_rows=1000)
+    assert rep_c.rewritten >= n0
+    _, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err.decode()[-2000:]
+    after = proc_root.open()
+    t = after.read_events()
+    assert t.column("lsn").to_pylist() == list(range(1, n0 + n + 1))
+    assert t.column("run_id").to_pylist()[:n0] == [f"pre-{i}" for i in range(n0)]
+    assert t.filter(pa.compute.equal(t.column("run_id"), "run-w")).column(
+        "step_index").to_pylist() == list(range(n))
+    pdm.vacuum(after, grace=0)
+    _assert_consistent(proc_root.open())
