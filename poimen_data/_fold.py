@@ -1,0 +1,345 @@
+"""The fold: committed events -> episode tables, as SQL text kept as data (DESIGN section 5).
+
+``VIEW_SQL`` maps each view to the exact SQL DuckDB runs (print it, read it, diff it).
+``connect()`` registers the log's events as ``events`` and these texts as views; the
+materializer (``_state.py``) runs the very same texts into tables, so a view and the
+stored state can never fold differently. The fold is total and deterministic: every
+event is kept, forbidden ones are folded by the same rules and listed in ``anomalies``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from . import events as ev
+from ._log import EventLog, open_log
+
+#: Run-level kinds and the run state each one leaves behind (DESIGN section 2).
+RUN_LEVEL_KINDS = ("run_started", "verifying_entered", "branch_forked", "run_finished",
+                   "run_cancelled")
+ATTEMPT_KINDS = ("attempt_dispatched", "attempt_finished", "attempt_recovered")
+
+#: The total order of every view and of every materialized table. Total, so that the
+#: same events always give the same rows in the same order (and the same parquet bytes).
+TABLE_KEYS: dict[str, tuple[str, ...]] = {
+    "attempts": ("run_id", "branch_id", "step_index NULLS LAST", "attempt_no", "step_id"),
+    "branches": ("run_id", "branch_id"),
+    "runs": ("run_id",),
+    "trajectories": ("run_id", "trajectory_branch_id", "trajectory_pos"),
+    "verdicts": ("run_id", "lsn"),
+    "reductions": ("lsn",),
+    "anomalies": ("run_id", "lsn", "reason"),
+}
+
+_ATTEMPTS = """
+-- One row per (run, branch, step, attempt), whatever its outcome. Its state is that of
+-- its last event by LSN; every other field keeps its last non-null value (arg_max skips
+-- NULL arguments). workflow_version: the dispatch's when given, else the run's.
+WITH folded AS (
+    SELECT run_id, branch_id, step_id, attempt_no,
+           arg_max(tenant, lsn)                                   AS tenant,
+           arg_max(step_index, lsn)                               AS step_index,
+           arg_max(CASE kind WHEN 'attempt_dispatched' THEN 'dispatched'
+                   ELSE state END, lsn)                           AS state,
+           arg_max(workflow_version, lsn)                         AS dispatch_version,
+           arg_max(context, lsn)                                  AS context,
+           arg_max(prompt, lsn)                                   AS prompt,
+           arg_max(output, lsn)                                   AS output,
+           arg_max(tools, lsn)                                    AS tools,
+           arg_max(usage, lsn)                                    AS usage,
+           arg_max(error, lsn)                                    AS error,
+           arg_max(kind, lsn) = 'attempt_recovered'               AS recovered,
+           min(lsn)                                               AS first_lsn,
+           max(lsn)                                               AS last_lsn
+    FROM events
+    WHERE kind IN ('attempt_dispatched', 'attempt_finished', 'attempt_recovered')
+    GROUP BY run_id, branch_id, step_id, attempt_no
+), run_version AS (
+    SELECT run_id, arg_max(workflow_version, lsn) AS workflow_version
+    FROM events WHERE kind = 'run_started' GROUP BY run_id
+)
+SELECT a.run_id, a.tenant, a.branch_id, a.step_id, a.step_index, a.attempt_no, a.state,
+       coalesce(a.dispatch_version, r.workflow_version) AS workflow_version,
+       a.context, a.prompt, a.output, a.tools, a.usage, a.error, a.recovered,
+       a.first_lsn, a.last_lsn
+FROM folded a LEFT JOIN run_version r USING (run_id)
+"""
+
+_BRANCHES = """
+-- Branch 0 of every run that any event names, plus one row per forked branch (a repeated
+-- fork of the same branch id: last by LSN wins). The live branch is the newest one.
+WITH run_ids AS (
+    SELECT DISTINCT run_id FROM events WHERE run_id IS NOT NULL
+), forks AS (
+    SELECT run_id, branch_id,
+           arg_max(parent_branch_id, lsn) AS parent_branch_id,
+           arg_max(fork_step_index, lsn)  AS fork_step_index,
+           max(lsn)                       AS fork_lsn
+    FROM events WHERE kind = 'branch_forked' AND branch_id <> 0
+    GROUP BY run_id, branch_id
+), every_branch AS (
+    SELECT run_id, 0::BIGINT AS branch_id, NULL::BIGINT AS parent_branch_id,
+           NULL::BIGINT AS fork_step_index, NULL::BIGINT AS fork_lsn
+    FROM run_ids
+    UNION ALL
+    SELECT run_id, branch_id, parent_branch_id, fork_step_index, fork_lsn FROM forks
+)
+SELECT run_id, branch_id, parent_branch_id, fork_step_index, fork_lsn,
+       branch_id = max(branch_id) OVER (PARTITION BY run_id) AS is_live
+FROM every_branch
+"""
+
+_RUNS = """
+-- One row per run that any event names. Its state is the effect of its last run-level
+-- event by LSN; tenant and workflow_version come from its (last) run_started.
+WITH run_level AS (
+    SELECT run_id,
+           arg_max(CASE kind WHEN 'run_started' THEN 'running'
+                             WHEN 'verifying_entered' THEN 'verifying'
+                             WHEN 'branch_forked' THEN 'running'
+                             WHEN 'run_finished' THEN outcome
+                             WHEN 'run_cancelled' THEN 'cancelled' END, lsn) AS state,
+           arg_max(ts, lsn)                                                  AS last_ts,
+           arg_max(tenant, lsn) FILTER (WHERE kind = 'run_started')          AS tenant,
+           arg_max(workflow_version, lsn) FILTER (WHERE kind = 'run_started')
+                                                                             AS workflow_version,
+           arg_max(ts, lsn) FILTER (WHERE kind = 'run_started')              AS started_at,
+           max(lsn) FILTER (WHERE kind = 'verifying_entered')                AS verifying_lsn
+    FROM events
+    WHERE kind IN ('run_started', 'verifying_entered', 'branch_forked', 'run_finished',
+                   'run_cancelled')
+    GROUP BY run_id
+), seen AS (
+    SELECT run_id, arg_min(tenant, lsn) AS first_tenant, max(lsn) AS last_lsn
+    FROM events WHERE run_id IS NOT NULL GROUP BY run_id
+), per_branch AS (
+    SELECT run_id, count(*) AS n_branches, max(branch_id) AS live_branch
+    FROM branches GROUP BY run_id
+), per_attempt AS (
+    SELECT run_id, count(*) AS n_attempts,
+           count(*) FILTER (WHERE state IN ('failed', 'timed_out')) AS n_failed_attempts,
+           sum(usage.cost_usd) AS cost_usd
+    FROM attempts GROUP BY run_id
+)
+SELECT s.run_id,
+       coalesce(l.tenant, s.first_tenant)                   AS tenant,
+       l.workflow_version,
+       l.state,
+       b.live_branch,
+       b.n_branches,
+       coalesce(a.n_attempts, 0)                            AS n_attempts,
+       coalesce(a.n_failed_attempts, 0)                     AS n_failed_attempts,
+       a.cost_usd::DECIMAL(38, 9)                           AS cost_usd,
+       l.started_at,
+       CASE WHEN l.state IN ('succeeded', 'failed', 'cancelled') THEN l.last_ts END
+                                                            AS ended_at,
+       l.verifying_lsn,
+       s.last_lsn
+FROM seen s
+LEFT JOIN run_level l USING (run_id)
+LEFT JOIN per_branch b USING (run_id)
+LEFT JOIN per_attempt a USING (run_id)
+"""
+
+_TRAJECTORIES = """
+-- trajectory(0) = branch 0's attempts; trajectory(b) = trajectory(parent(b)) restricted
+-- to step_index < fork_step_index(b), then b's own attempts. Walking up from b, an
+-- ancestor's attempts are kept below the smallest fork point met on the way.
+WITH RECURSIVE chain(run_id, trajectory_branch_id, branch_id, depth, step_limit) AS (
+    SELECT run_id, branch_id, branch_id, 0, NULL::BIGINT FROM branches
+    UNION ALL
+    SELECT c.run_id, c.trajectory_branch_id, b.parent_branch_id, c.depth + 1,
+           least(coalesce(c.step_limit, b.fork_step_index), b.fork_step_index)
+    FROM chain c
+    JOIN branches b ON b.run_id = c.run_id AND b.branch_id = c.branch_id
+    JOIN branches p ON p.run_id = b.run_id AND p.branch_id = b.parent_branch_id
+)
+SELECT a.run_id, a.tenant, a.branch_id, a.step_id, a.step_index, a.attempt_no, a.state,
+       a.workflow_version, a.context, a.prompt, a.output, a.tools, a.usage, a.error,
+       a.recovered, a.first_lsn, a.last_lsn,
+       c.trajectory_branch_id,
+       t.is_live,
+       row_number() OVER (PARTITION BY c.run_id, c.trajectory_branch_id
+                          ORDER BY c.depth DESC, a.step_index NULLS LAST, a.attempt_no,
+                                   a.step_id) AS trajectory_pos
+FROM chain c
+JOIN attempts a ON a.run_id = c.run_id AND a.branch_id = c.branch_id
+JOIN branches t ON t.run_id = c.run_id AND t.branch_id = c.trajectory_branch_id
+WHERE c.step_limit IS NULL OR a.step_index < c.step_limit
+"""
+
+_VERDICTS = """
+SELECT run_id, tenant, branch_id, verifier, snapshot_lsn, passed, score, detail, lsn
+FROM events WHERE kind = 'verdict_recorded'
+"""
+
+_REDUCTIONS = """
+SELECT tenant, original, summary, lsn FROM events WHERE kind = 'blob_reduced'
+"""
+
+_ANOMALIES = """
+-- Events the state machine forbids. They are folded like any other event; this view
+-- says which and why. Every rule looks at one run's events only.
+WITH e AS (
+    SELECT lsn, kind, run_id, branch_id, step_id, attempt_no, parent_branch_id
+    FROM events WHERE run_id IS NOT NULL
+), started AS (
+    SELECT run_id, min(lsn) AS lsn FROM e WHERE kind = 'run_started' GROUP BY run_id
+), cancelled AS (
+    SELECT run_id, min(lsn) AS lsn FROM e WHERE kind = 'run_cancelled' GROUP BY run_id
+), forked AS (
+    SELECT run_id, branch_id, min(lsn) AS lsn FROM e WHERE kind = 'branch_forked'
+    GROUP BY run_id, branch_id
+), dispatched AS (
+    SELECT run_id, branch_id, step_id, attempt_no, min(lsn) AS lsn
+    FROM e WHERE kind = 'attempt_dispatched' GROUP BY run_id, branch_id, step_id, attempt_no
+), forks AS (
+    SELECT lsn, kind, run_id, branch_id,
+           coalesce(max(branch_id) OVER (PARTITION BY run_id ORDER BY lsn
+                    ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS prior_max
+    FROM e WHERE kind = 'branch_forked'
+)
+SELECT e.lsn, e.kind, e.run_id, 'event of an unknown run' AS reason
+FROM e LEFT JOIN started s USING (run_id)
+WHERE e.kind <> 'run_started' AND (s.lsn IS NULL OR s.lsn > e.lsn)
+UNION ALL
+SELECT e.lsn, e.kind, e.run_id, 'run started twice'
+FROM e JOIN started s USING (run_id)
+WHERE e.kind = 'run_started' AND e.lsn > s.lsn
+UNION ALL
+SELECT e.lsn, e.kind, e.run_id, 'run event after cancel'
+FROM e JOIN cancelled c USING (run_id)
+WHERE e.kind IN ('run_started', 'verifying_entered', 'branch_forked', 'run_finished',
+                 'run_cancelled') AND e.lsn > c.lsn
+UNION ALL
+SELECT e.lsn, e.kind, e.run_id,
+       CASE e.kind WHEN 'attempt_finished' THEN 'finished without a dispatch'
+                   ELSE 'recovered without a dispatch' END
+FROM e LEFT JOIN dispatched d USING (run_id, branch_id, step_id, attempt_no)
+WHERE e.kind IN ('attempt_finished', 'attempt_recovered') AND (d.lsn IS NULL OR d.lsn > e.lsn)
+UNION ALL
+SELECT e.lsn, e.kind, e.run_id, 'attempt number dispatched twice'
+FROM e JOIN dispatched d USING (run_id, branch_id, step_id, attempt_no)
+WHERE e.kind = 'attempt_dispatched' AND e.lsn > d.lsn
+UNION ALL
+SELECT e.lsn, e.kind, e.run_id, 'attempt on an unknown branch'
+FROM e LEFT JOIN forked f USING (run_id, branch_id)
+WHERE e.kind IN ('attempt_dispatched', 'attempt_finished', 'attempt_recovered')
+  AND e.branch_id <> 0 AND (f.lsn IS NULL OR f.lsn > e.lsn)
+UNION ALL
+SELECT e.lsn, e.kind, e.run_id, 'fork of an unknown branch'
+FROM e LEFT JOIN forked f ON f.run_id = e.run_id AND f.branch_id = e.parent_branch_id
+WHERE e.kind = 'branch_forked' AND e.parent_branch_id <> 0 AND (f.lsn IS NULL OR f.lsn > e.lsn)
+UNION ALL
+SELECT lsn, kind, run_id, 'fork does not take the run''s max branch + 1'
+FROM forks WHERE branch_id <> prior_max + 1
+"""
+
+
+def _ordered(body: str, name: str) -> str:
+    return f"{body.strip()}\nORDER BY {', '.join(TABLE_KEYS[name])}\n"
+
+
+#: name -> the SQL of the view, in an order where each text only names earlier ones.
+VIEW_SQL: dict[str, str] = {
+    "attempts": _ordered(_ATTEMPTS, "attempts"),
+    "branches": _ordered(_BRANCHES, "branches"),
+    "runs": _ordered(_RUNS, "runs"),
+    "trajectories": _ordered(_TRAJECTORIES, "trajectories"),
+    "verdicts": _ordered(_VERDICTS, "verdicts"),
+    "reductions": _ordered(_REDUCTIONS, "reductions"),
+    "anomalies": _ordered(_ANOMALIES, "anomalies"),
+}
+VIEWS = ("runs", "branches", "attempts", "trajectories", "verdicts", "reductions", "anomalies")
+#: Tables whose every row belongs to one run (re-folded per run by the materializer).
+PER_RUN_TABLES = ("runs", "branches", "attempts", "trajectories", "verdicts", "anomalies")
+
+#: Names the fold as a whole; a state made under another fold version is never served.
+FOLD_VERSION = "1-" + hashlib.sha256(
+    "\n".join(f"-- {k}\n{v}" for k, v in VIEW_SQL.items()).encode()
+).hexdigest()[:16]
+
+REF_SQL_TYPE = "STRUCT(tenant VARCHAR, sha256 VARCHAR, size BIGINT)"
+
+
+def new_connection(events: pa.Table) -> duckdb.DuckDBPyConnection:
+    """A private DuckDB connection with ``events`` registered and the session pinned to
+    UTC (timestamps come back as UTC, whatever the machine's zone)."""
+    con = duckdb.connect(":memory:")
+    con.execute("SET TimeZone = 'UTC'")
+    con.register("events", events)
+    return con
+
+
+def fold_tables(events: pa.Table, names: tuple[str, ...] = VIEWS) -> dict[str, pa.Table]:
+    """Run the fold over an events table (``events.LOG_SCHEMA``) and return each table.
+
+    Each text runs once into a temporary table that later texts read, so ``attempts`` is
+    folded once even though ``runs`` and ``trajectories`` build on it.
+    """
+    con = new_connection(events)
+    try:
+        out: dict[str, pa.Table] = {}
+        for name, sql in VIEW_SQL.items():
+            if name in names or (name in ("attempts", "branches") and
+                                 {"runs", "trajectories"} & set(names)):
+                con.execute(f"CREATE TEMP TABLE {name} AS {sql}")
+        for name in names:
+            out[name] = con.sql(f"SELECT * FROM {name}").to_arrow_table()
+        return out
+    finally:
+        con.close()
+
+
+def _as_log(root_or_log: Any, storage_options: dict[str, Any] | None) -> EventLog:
+    if isinstance(root_or_log, EventLog):
+        return root_or_log
+    if not isinstance(root_or_log, str | os.PathLike):
+        raise TypeError(f"expected an EventLog or a root URL, got {type(root_or_log).__name__}")
+    return open_log(root_or_log, storage_options, create=False)
+
+
+def connect(
+    root_or_log: EventLog | str | os.PathLike[str],
+    at_lsn: int | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection over the log as it stood at ``at_lsn`` (default: the head).
+
+    The events are read once, here (a zero-copy Arrow table of the verified segments);
+    the views fold them lazily on each query. ``blob_text(ref)`` reads a body only when
+    a query calls it, through ``log.blobs`` as it is at call time (so a counting wrapper
+    installed later still sees the calls). The connection is the caller's to close.
+    """
+    log = _as_log(root_or_log, storage_options)
+    events = log.read_events(at_lsn)
+    con = new_connection(events)
+    for name, sql in VIEW_SQL.items():  # DuckDB binds a view at creation: dependencies first
+        con.execute(f"CREATE VIEW {name} AS {sql}")
+
+    def blob_text(ref: dict[str, Any] | None) -> str | None:
+        if ref is None:
+            return None
+        body = log.blobs.get(ev.BlobRef(ref["tenant"], ref["sha256"], ref["size"]))
+        return None if body is None else body.decode("utf-8", errors="replace")
+
+    con.create_function("blob_text", blob_text, [REF_SQL_TYPE], "VARCHAR",
+                        null_handling="special", side_effects=True)
+    return con
+
+
+def view_sql(name: str) -> str:
+    """The SQL text of one view, as ``connect()`` registers it (for ``--explain``)."""
+    if name not in VIEW_SQL:
+        raise KeyError(f"no view {name!r}; views: {', '.join(VIEWS)}")
+    return VIEW_SQL[name]
+
+
+__all__ = ["FOLD_VERSION", "TABLE_KEYS", "VIEWS", "VIEW_SQL", "connect", "fold_tables",
+           "view_sql"]
