@@ -8,6 +8,7 @@ episode tables with DuckDB, grade frozen snapshots, and export training data.
 from __future__ import annotations
 
 from ._blobs import BlobStore, FsBlobStore
+from ._fold import connect
 from ._log import CommitInfo, EventLog, Transaction, open_log
 from ._maint import compact, reduce, vacuum
 from .errors import (
@@ -39,6 +40,7 @@ __all__ = [
     "Usage",
     "ValidationError",
     "compact",
+    "connect",
     "open_log",
     "reduce",
     "vacuum",
