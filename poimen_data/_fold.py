@@ -276,22 +276,26 @@ def new_connection(events: pa.Table) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def fold_tables(events: pa.Table, names: tuple[str, ...] = VIEWS) -> dict[str, pa.Table]:
-    """Run the fold over an events table (``events.LOG_SCHEMA``) and return each table.
+def create_fold_tables(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = VIEWS) -> None:
+    """Run the fold texts into temporary tables of ``con`` (whose ``events`` is set).
 
-    Each text runs once into a temporary table that later texts read, so ``attempts`` is
-    folded once even though ``runs`` and ``trajectories`` build on it.
+    Each text runs once and later texts read its table, so ``attempts`` is folded once
+    even though ``runs`` and ``trajectories`` build on it.
     """
+    needed = set(names)
+    if needed & {"runs", "trajectories"}:
+        needed |= {"attempts", "branches"}
+    for name, sql in VIEW_SQL.items():
+        if name in needed:
+            con.execute(f"CREATE TEMP TABLE {name} AS {sql}")
+
+
+def fold_tables(events: pa.Table, names: tuple[str, ...] = VIEWS) -> dict[str, pa.Table]:
+    """Run the fold over an events table (``events.LOG_SCHEMA``) and return each table."""
     con = new_connection(events)
     try:
-        out: dict[str, pa.Table] = {}
-        for name, sql in VIEW_SQL.items():
-            if name in names or (name in ("attempts", "branches") and
-                                 {"runs", "trajectories"} & set(names)):
-                con.execute(f"CREATE TEMP TABLE {name} AS {sql}")
-        for name in names:
-            out[name] = con.sql(f"SELECT * FROM {name}").to_arrow_table()
-        return out
+        create_fold_tables(con, names)
+        return {name: con.sql(f"SELECT * FROM {name}").to_arrow_table() for name in names}
     finally:
         con.close()
 
@@ -341,5 +345,5 @@ def view_sql(name: str) -> str:
     return VIEW_SQL[name]
 
 
-__all__ = ["FOLD_VERSION", "TABLE_KEYS", "VIEWS", "VIEW_SQL", "connect", "fold_tables",
-           "view_sql"]
+__all__ = ["FOLD_VERSION", "TABLE_KEYS", "VIEWS", "VIEW_SQL", "connect", "create_fold_tables",
+           "fold_tables", "view_sql"]

@@ -1,0 +1,232 @@
+"""Episode views: frozen values built from the fold's rows (DESIGN section 4).
+
+An ``EpisodeView`` is an owned, immutable value that holds refs, never bodies, and never
+re-reads storage; time travel gives a new value. ``serialize()`` is canonical JSON
+(sorted keys, no spaces, money as a fixed-point string), so a view served from the
+materialized state and one from a cold re-fold can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ._fold import _as_log, fold_tables
+from ._log import EventLog
+from .errors import NotFound, ValidationError
+from .events import COST_QUANTUM, BlobRef, ContextPartition, ToolInfo, Usage
+
+SOURCES = ("auto", "state", "log")
+#: The tables an episode is built from.
+EPISODE_TABLES = ("runs", "branches", "attempts")
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptView:
+    """One attempt, whatever its outcome (failed ones are the learning signal)."""
+
+    step: str
+    step_index: int | None
+    attempt: int
+    state: str
+    workflow_version: str | None
+    context: ContextPartition | None
+    prompt: BlobRef | None
+    output: BlobRef | None
+    tools: ToolInfo | None
+    usage: Usage | None
+    error: str | None
+    first_lsn: int
+    last_lsn: int
+
+
+@dataclass(frozen=True, slots=True)
+class BranchView:
+    """One branch and the attempts recorded on it (its own; not the inherited ones)."""
+
+    branch_id: int
+    parent_branch_id: int | None
+    fork_step_index: int | None
+    fork_lsn: int | None
+    is_live: bool
+    attempts: tuple[AttemptView, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeView:
+    """One run as it stood at ``at_lsn``; ``branches`` sorted by branch_id."""
+
+    run_id: str
+    tenant: str
+    workflow_version: str | None
+    state: str | None
+    live_branch: int
+    at_lsn: int
+    branches: tuple[BranchView, ...]
+
+    def to_plain(self) -> dict[str, Any]:
+        """Plain data (dicts, lists, str, int, float, bool, None) covering every field."""
+        return _plain(self)
+
+    def serialize(self) -> bytes:
+        """Canonical bytes: equal views give equal bytes, whatever built them."""
+        return orjson.dumps(self.to_plain(), option=orjson.OPT_SORT_KEYS)
+
+    @property
+    def live(self) -> BranchView | None:
+        """The live branch, when this view holds it."""
+        for b in self.branches:
+            if b.is_live:
+                return b
+        return None
+
+
+def _plain(v: Any) -> Any:
+    if v is None or isinstance(v, str | bool | int | float):
+        return v
+    if isinstance(v, Decimal):
+        # money: one spelling per amount (0.0015 and 0.001500000 are the same value)
+        return str(v.quantize(COST_QUANTUM))
+    if isinstance(v, tuple | list):
+        return [_plain(x) for x in v]
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    slots = getattr(type(v), "__slots__", None)
+    if slots is not None and hasattr(v, "__dataclass_fields__"):
+        return {name: _plain(getattr(v, name)) for name in v.__dataclass_fields__}
+    raise TypeError(f"cannot serialize {type(v).__name__}")
+
+
+# --- rows -> views ------------------------------------------------------------------
+
+
+def _ref(d: Mapping[str, Any] | None) -> BlobRef | None:
+    return None if d is None else BlobRef(d["tenant"], d["sha256"], d["size"])
+
+
+def _attempt(r: Mapping[str, Any]) -> AttemptView:
+    ctx, tools, usage = r["context"], r["tools"], r["usage"]
+    return AttemptView(
+        step=r["step_id"],
+        step_index=r["step_index"],
+        attempt=r["attempt_no"],
+        state=r["state"],
+        workflow_version=r["workflow_version"],
+        context=None if ctx is None else ContextPartition(
+            tuple(ctx["packed"] or ()), tuple(ctx["available"] or ()),
+            tuple(ctx["dropped"] or ())),
+        prompt=_ref(r["prompt"]),
+        output=_ref(r["output"]),
+        tools=None if tools is None else ToolInfo(tuple(tools["calls"] or ())),
+        usage=None if usage is None else Usage(**usage),
+        error=r["error"],
+        first_lsn=r["first_lsn"],
+        last_lsn=r["last_lsn"],
+    )
+
+
+def episodes_from_tables(tables: Mapping[str, pa.Table], *, at_lsn: int,
+                         all_branches: bool = True) -> Iterator[EpisodeView]:
+    """Build one view per row of ``runs`` from fold tables sorted as ``TABLE_KEYS`` says
+    (the views' order and the state's order), in run_id order."""
+    branches = tables["branches"].to_pylist()
+    attempts = tables["attempts"].to_pylist()
+    bi = ai = 0
+    for run in tables["runs"].to_pylist():
+        run_id = run["run_id"]
+        while bi < len(branches) and branches[bi]["run_id"] < run_id:
+            bi += 1
+        while ai < len(attempts) and attempts[ai]["run_id"] < run_id:
+            ai += 1
+        views = []
+        while bi < len(branches) and branches[bi]["run_id"] == run_id:
+            b = branches[bi]
+            while (ai < len(attempts) and attempts[ai]["run_id"] == run_id
+                   and attempts[ai]["branch_id"] < b["branch_id"]):
+                ai += 1  # an attempt on a branch no fork created (listed in anomalies)
+            own = []
+            while (ai < len(attempts) and attempts[ai]["run_id"] == run_id
+                   and attempts[ai]["branch_id"] == b["branch_id"]):
+                own.append(_attempt(attempts[ai]))
+                ai += 1
+            if all_branches or b["is_live"]:
+                views.append(BranchView(b["branch_id"], b["parent_branch_id"],
+                                        b["fork_step_index"], b["fork_lsn"], b["is_live"],
+                                        tuple(own)))
+            bi += 1
+        yield EpisodeView(run_id, run["tenant"], run["workflow_version"], run["state"],
+                          run["live_branch"], at_lsn, tuple(views))
+
+
+def one_episode(tables: Mapping[str, pa.Table], run_id: str, *, at_lsn: int,
+                all_branches: bool) -> EpisodeView:
+    """The view of ``run_id`` from tables that hold (at least) that run's rows."""
+    only = {name: tables[name].filter(pc.equal(tables[name].column("run_id"), run_id))
+            for name in EPISODE_TABLES}
+    for view in episodes_from_tables(only, at_lsn=at_lsn, all_branches=all_branches):
+        return view
+    raise NotFound(f"no run {run_id!r} in the log at lsn {at_lsn}")
+
+
+def run_events(log: EventLog, run_ids: Sequence[str], *, at_lsn: int,
+               min_lsn: int = 1) -> pa.Table:
+    """The events of some runs up to ``at_lsn`` (``min_lsn`` bounds what is read)."""
+    events = log.read_events(at_lsn, min_lsn)
+    return events.filter(pc.is_in(events.column("run_id"), pa.array(list(run_ids),
+                                                                     pa.string())))
+
+
+def fold_episode(log: EventLog, run_id: str, *, at_lsn: int, all_branches: bool,
+                 min_lsn: int = 1) -> EpisodeView:
+    """Fold one run from the log (its events only: every fold rule is per run)."""
+    tables = fold_tables(run_events(log, [run_id], at_lsn=at_lsn, min_lsn=min_lsn),
+                         EPISODE_TABLES)
+    return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
+
+
+def resolve_lsn(log: EventLog, at_lsn: int | None) -> int:
+    """``at_lsn`` checked against the head (``ValidationError`` outside 0..head)."""
+    head = log.head
+    if at_lsn is None:
+        return head
+    if isinstance(at_lsn, bool) or not isinstance(at_lsn, int) or not 0 <= at_lsn <= head:
+        raise ValidationError(f"at_lsn {at_lsn!r} is outside 0..{head}")
+    return at_lsn
+
+
+def episode(
+    log: EventLog | str | os.PathLike[str],
+    run_id: str,
+    *,
+    all_branches: bool = False,
+    at_lsn: int | None = None,
+    source: str = "auto",
+) -> EpisodeView:
+    """The episode of ``run_id`` as the log stood at ``at_lsn`` (default: the head).
+
+    ``source="log"`` folds the log; ``"state"`` serves only from a materialized state made
+    at exactly that LSN by this fold version (else ``NotFound``); ``"auto"`` serves from
+    the state, folding the run again only when commits after the state touched it, and
+    folds the log when no usable state exists. Never reads a blob body.
+    """
+    if source not in SOURCES:
+        raise ValidationError(f"source must be one of {SOURCES}, got {source!r}")
+    log = _as_log(log, None)
+    lsn = resolve_lsn(log, at_lsn)
+    if source == "log":
+        return fold_episode(log, run_id, at_lsn=lsn, all_branches=all_branches)
+    from . import _state  # _state builds on this module
+
+    if source == "state":
+        return _state.episode_from_state(log, run_id, at_lsn=lsn, all_branches=all_branches)
+    return _state.episode_auto(log, run_id, at_lsn=lsn, all_branches=all_branches)
+
+
+__all__ = ["AttemptView", "BranchView", "EpisodeView", "episode", "episodes_from_tables"]
