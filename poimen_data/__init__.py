@@ -11,6 +11,8 @@ from ._blobs import BlobStore, FsBlobStore
 from ._fold import connect
 from ._log import CommitInfo, EventLog, Transaction, open_log
 from ._maint import compact, reduce, vacuum
+from ._query import AttemptView, BranchView, EpisodeView, episode
+from ._state import materialize
 from .errors import (
     CommitConflict,
     CorruptionError,
@@ -23,12 +25,15 @@ from .errors import (
 from .events import BlobRef, ContextPartition, ToolInfo, Usage
 
 __all__ = [
+    "AttemptView",
     "BlobRef",
     "BlobStore",
+    "BranchView",
     "CommitConflict",
     "CommitInfo",
     "ContextPartition",
     "CorruptionError",
+    "EpisodeView",
     "EventLog",
     "FsBlobStore",
     "LeaseHeld",
@@ -41,6 +46,8 @@ __all__ = [
     "ValidationError",
     "compact",
     "connect",
+    "episode",
+    "materialize",
     "open_log",
     "reduce",
     "vacuum",
