@@ -10,16 +10,17 @@ rolled forward by the next open. See README "Storage format" for the whole proto
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import events as ev
 from ._blobs import FsBlobStore
@@ -50,6 +51,7 @@ CRASH_POINTS = (
 )
 DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
+PARALLEL_HASH_BYTES = 4 << 20
 BlobKey = tuple[str, str]  # (tenant, sha256)
 
 
@@ -57,6 +59,10 @@ def crash_point(name: str) -> None:
     """Die here (``os._exit(137)``) when ``POIMEN_CRASH_AT`` names this point (crash tests)."""
     if os.environ.get("POIMEN_CRASH_AT") == name:
         os._exit(137)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
 
 
 def _now_iso() -> str:
@@ -362,19 +368,14 @@ class EventLog:
             if keep:
                 continue
             dst = blob_path(b.tenant, b.sha256)
-            if self.storage.exists(dst):
-                self.storage.delete(b.staged)
-                continue
             try:
-                self.storage.copy(b.staged, dst)
+                self.storage.move(b.staged, dst)
             except NotFound:
                 if not self.storage.exists(dst):
                     raise CorruptionError(
                         f"{self.storage.url_of(b.staged)}: committed body missing from "
                         "staging and from blobs/"
                     ) from None
-                continue
-            self.storage.delete(b.staged)
 
     def _roll_forward(self) -> int:
         """Promote bodies of committed manifests whose writer died before promoting them."""
@@ -457,6 +458,9 @@ class Transaction:
         self._reused: dict[BlobKey, bytes] = {}
         self._failed: BaseException | None = None
         self._done = False
+        self._n_table_rows = 0
+        self._seen_refs: set[Any] = set()  # refs and value objects validated already
+        self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
         self.commit_info: CommitInfo | None = None
 
     def __enter__(self) -> Transaction:
@@ -470,7 +474,7 @@ class Transaction:
 
     @property
     def n_events(self) -> int:
-        return len(self._events) + sum(t.num_rows for t in self._tables)
+        return self._n_table_rows + len(self._events)
 
     def _check_open(self) -> None:
         if self._done:
@@ -506,14 +510,15 @@ class Transaction:
     # -- events -------------------------------------------------------------------
 
     def append(self, event: ev.Event) -> None:
-        self._check_open()
+        if self._done:
+            self._check_open()
         try:
-            ev.validate_event(event, f"event {self.n_events}")
+            ev.validate_event(event, self._n_table_rows + len(self._events), self._seen_refs)
         except ValidationError as exc:
             self._failed = exc
             raise
         self._events.append(event)
-        self._stamps.append(datetime.now(UTC) if event.ts is None else event.ts)
+        self._stamps.append(_utcnow() if event.ts is None else event.ts)
 
     def extend(self, events: Iterable[ev.Event] | pa.Table) -> None:
         """Append many events: event objects, or a ``pyarrow.Table`` (the bulk fast path)."""
@@ -529,6 +534,8 @@ class Transaction:
             if self._events:
                 self._flush_objects()
             self._tables.append(t)
+            self._bulk.append(t)
+            self._n_table_rows += t.num_rows
             return
         for e in events:
             self.append(e)
@@ -536,6 +543,7 @@ class Transaction:
     def _flush_objects(self) -> None:
         if self._events:
             self._tables.append(ev.events_to_table(self._events, self._stamps))
+            self._n_table_rows += len(self._events)
             self._events, self._stamps = [], []
 
     # -- commit -------------------------------------------------------------------
@@ -551,10 +559,13 @@ class Transaction:
         if self._staged:
             self.log.storage.delete_tree(f"_staging/{self.txn}")
 
-    def _check_refs(self, table: pa.Table) -> None:
+    def _check_refs(self) -> None:
         """Every ref must be a body of this transaction or a committed, unreduced one."""
         mine = set(self._staged) | set(self._reused)
-        for ref in ev.table_refs(table):
+        refs = {r for r in self._seen_refs if type(r) is ev.BlobRef}
+        for t in self._bulk:
+            refs |= ev.table_refs(t)
+        for ref in refs:
             key = (ref.tenant, ref.sha256)
             if key in mine:
                 continue
@@ -591,7 +602,7 @@ class Transaction:
             if self._tables:
                 table = pa.concat_tables(self._tables) if len(self._tables) > 1 \
                     else self._tables[0]
-                self._check_refs(table)
+                self._check_refs()
             else:
                 table = None
             if table is None and not self._staged and not self._reused:
@@ -620,15 +631,21 @@ class Transaction:
                    for b in m.blobs)
 
     def _write_segment(self, table: pa.Table) -> SegmentInfo:
-        sink = io.BytesIO()
+        sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as w:
             w.write_table(table)
         data = sink.getvalue()
         path = f"segments/{self.txn}.arrow"
-        self.log.storage.write(path, data)
+        if data.size < PARALLEL_HASH_BYTES:
+            sha = hashlib.sha256(data).hexdigest()
+            self.log.storage.write(path, data)
+        else:  # hashing and the durable write both release the GIL: overlap them
+            with ThreadPoolExecutor(1) as pool:
+                digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+                self.log.storage.write(path, data)
+                sha = digest.result()
         crash_point("segment_written")
-        return SegmentInfo(path, table.num_rows, len(data), hashlib.sha256(data).hexdigest(),
-                           0, 0)
+        return SegmentInfo(path, table.num_rows, data.size, sha, 0, 0)
 
     def _manifest(self, seq: int, first: int, seg: SegmentInfo | None,
                   table: pa.Table | None) -> Manifest:
@@ -643,10 +660,9 @@ class Transaction:
                   for ev_entry in (BlobEntry(k[0], k[1], len(self._reused[k]), None),)]
         reduces: list[tuple[str, str]] = []
         if table is not None:
-            kinds = table.column("kind")
-            if "blob_reduced" in set(kinds.unique().to_pylist()):
-                mask = [k == "blob_reduced" for k in kinds.to_pylist()]
-                for d in table.filter(pa.array(mask)).column("original").to_pylist():
+            mask = pc.equal(table.column("kind"), "blob_reduced")
+            if pc.any(mask).as_py():
+                for d in table.filter(mask).column("original").to_pylist():
                     reduces.append((d["tenant"], d["sha256"]))
         segs: tuple[SegmentInfo, ...] = ()
         n = 0

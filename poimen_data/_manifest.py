@@ -36,7 +36,7 @@ def blob_path(tenant: str, sha256: str) -> str:
 
 
 def staged_blob_path(txn: str, tenant: str, sha256: str) -> str:
-    return f"_staging/{txn}/blobs/{tenant}/{sha256[:2]}/{sha256}"
+    return f"_staging/{txn}/{tenant}.{sha256}"
 
 
 def dumps(doc: dict[str, Any]) -> bytes:

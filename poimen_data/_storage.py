@@ -183,7 +183,7 @@ class Storage:
                     os.unlink(tmp)
                 raise
             return
-        self.fs.pipe_file(path, data)
+        self.fs.pipe_file(path, bytes(data))
 
     def put_if_absent(self, rel: str, data: bytes) -> bool:
         """Create ``rel`` with ``data`` unless it exists. True when this call created it.
@@ -252,6 +252,26 @@ class Storage:
                 with contextlib.suppress(OSError):
                     os.rmdir(dirpath)
         return n
+
+    def move(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst``, replacing it (callers move content-addressed bodies, so
+        a replaced ``dst`` had the same bytes). Atomic for readers of ``dst``."""
+        self._require_writable()
+        if self.kind == "local":
+            dpath = self.full(dst)
+            try:
+                os.replace(self.full(src), dpath)
+            except FileNotFoundError:
+                if not os.path.exists(self.full(src)):
+                    raise NotFound(f"no such file: {self.url_of(src)}") from None
+                os.makedirs(os.path.dirname(dpath), exist_ok=True)
+                os.replace(self.full(src), dpath)
+            return
+        if not self.exists(dst):
+            self.copy(src, dst)
+        elif not self.exists(src):
+            raise NotFound(f"no such file: {self.url_of(src)}")
+        self.delete(src)
 
     def copy(self, src: str, dst: str) -> None:
         """Copy ``src`` to ``dst`` atomically for readers of ``dst``."""

@@ -300,17 +300,6 @@ LOG_SCHEMA = pa.schema(
     + list(EVENT_SCHEMA)
 )
 REF_COLUMNS = ("prompt", "output", "original", "summary")
-_PLAIN_COLUMNS = tuple(f.name for f in EVENT_SCHEMA if f.name not in ("ts", "kind"))
-_CONVERT = {
-    "labels": lambda v: sorted(v.items()),
-    "prompt": BlobRef.as_dict,
-    "output": BlobRef.as_dict,
-    "original": BlobRef.as_dict,
-    "summary": BlobRef.as_dict,
-    "context": ContextPartition.as_dict,
-    "usage": Usage.as_dict,
-    "tools": ToolInfo.as_dict,
-}
 
 
 # --- validation ---------------------------------------------------------------------
@@ -334,7 +323,17 @@ KIND_COLUMNS: dict[str, frozenset[str]] = {
 
 
 def _bad(where: str, fld: str, msg: str) -> ValidationError:
+    if not where:
+        return ValidationError(f"field {fld!r} {msg}")
     return ValidationError(f"{where}: field {fld!r} {msg}")
+
+
+def _check_ref_cached(ref: Any, name: str, seen: set[Any] | None) -> None:
+    if seen is not None and type(ref) is BlobRef and ref in seen:
+        return
+    check_ref(ref, "", name)
+    if seen is not None:
+        seen.add(ref)
 
 
 def _check_int(where: str, name: str, v: Any, minimum: int) -> None:
@@ -376,12 +375,27 @@ def _check_str_tuple(where: str, name: str, v: Any) -> None:
         raise _bad(where, name, "must be a tuple of str")
 
 
-def validate_event(e: Any, where: str = "event") -> None:
-    """Check one event's structure; raise ``ValidationError`` naming ``where`` and the field."""
+def validate_event(e: Any, where: str | int = "event",
+                   seen_refs: set[Any] | None = None) -> None:
+    """Check one event's structure; raise ``ValidationError`` naming ``where`` and the field.
+
+    ``where`` may be the event's position (an int): the message is only formatted on a
+    fault. ``seen_refs`` caches refs already checked (a transaction reuses a few refs many
+    times), which keeps validation cheap on the hot append path.
+    """
     kind = getattr(type(e), "kind", None)
     if kind not in EVENT_CLASSES or type(e) is not EVENT_CLASSES[kind]:
-        raise ValidationError(f"{where}: not a poimen_data.events event: {type(e).__name__}")
-    where = f"{where} ({kind})"
+        label = f"event {where}" if isinstance(where, int) else where
+        raise ValidationError(f"{label}: not a poimen_data.events event: {type(e).__name__}")
+    try:
+        _validate(e, kind, seen_refs)
+    except ValidationError as exc:
+        label = f"event {where}" if isinstance(where, int) else where
+        raise ValidationError(f"{label} ({kind}): {exc}") from None
+
+
+def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
+    where = ""
     tenant = e.tenant
     if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {tenant!r}")
@@ -399,11 +413,13 @@ def validate_event(e: Any, where: str = "event") -> None:
         if kind == "attempt_dispatched":
             _check_int(where, "step_index", e.step_index, 0)
             if e.prompt is not None:
-                check_ref(e.prompt, where, "prompt")
+                _check_ref_cached(e.prompt, "prompt", seen)
                 if e.prompt.tenant != tenant:
                     raise _bad(where, "prompt", "belongs to another tenant than the event")
             ctx = e.context
-            if ctx is not None:
+            if ctx is not None and not (seen is not None and ctx in seen):
+                if seen is not None and type(ctx) is ContextPartition:
+                    seen.add(ctx)
                 if not isinstance(ctx, ContextPartition):
                     raise _bad(where, "context", "must be a ContextPartition")
                 _check_str_tuple(where, "context.packed", ctx.packed)
@@ -416,11 +432,14 @@ def validate_event(e: Any, where: str = "event") -> None:
                 raise _bad(where, "state", f"must be one of {TERMINAL_ATTEMPT_STATES}, "
                            f"got {e.state!r}")
             if e.output is not None:
-                check_ref(e.output, where, "output")
+                _check_ref_cached(e.output, "output", seen)
                 if e.output.tenant != tenant:
                     raise _bad(where, "output", "belongs to another tenant than the event")
-            if e.usage is not None:
-                _check_usage(where, e.usage)
+            usage = e.usage
+            if usage is not None and not (seen is not None and usage in seen):
+                _check_usage(where, usage)
+                if seen is not None:
+                    seen.add(usage)
             if e.tools is not None:
                 if not isinstance(e.tools, ToolInfo):
                     raise _bad(where, "tools", "must be a ToolInfo")
@@ -461,7 +480,8 @@ def validate_event(e: Any, where: str = "event") -> None:
             raise _bad(where, "reason", "must be a str")
     elif kind == "blob_reduced":
         for name in ("original", "summary"):
-            ref = check_ref(getattr(e, name), where, name)
+            ref = getattr(e, name)
+            _check_ref_cached(ref, name, seen)
             if ref.tenant != tenant:
                 raise _bad(where, name, "belongs to another tenant than the event")
 
@@ -495,19 +515,61 @@ def event_refs(e: Event) -> Iterable[tuple[str, BlobRef]]:
 # --- conversion ---------------------------------------------------------------------
 
 
+def _struct(typ: pa.StructType, values: list[Any], n: int) -> pa.Array:
+    """A struct column from value objects (or None) without building one dict per row."""
+    mask = [v is None for v in values]
+    if all(mask):
+        return pa.nulls(n, typ)
+    children = []
+    for f in typ:
+        vals = [None if v is None else getattr(v, f.name) for v in values]
+        if pa.types.is_list(f.type):
+            vals = [None if x is None else list(x) for x in vals]
+        elif f.type == COST_TYPE:
+            vals = [None if x is None else Decimal(x).quantize(COST_QUANTUM) for x in vals]
+        elif pa.types.is_floating(f.type):
+            vals = [None if x is None else float(x) for x in vals]
+        children.append(pa.array(vals, f.type))
+    return pa.StructArray.from_arrays(children, fields=list(typ), mask=pa.array(mask))
+
+
+_STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
+                   "summary": REF_TYPE, "context": CONTEXT_TYPE, "usage": USAGE_TYPE,
+                   "tools": TOOLS_TYPE}
+
+
 def events_to_table(events: Sequence[Event], stamps: Sequence[datetime]) -> pa.Table:
-    """Turn validated events (with their append-time stamps) into one EVENT_SCHEMA table."""
-    cols: dict[str, list[Any]] = {
-        "ts": [e.ts if e.ts is not None else s for e, s in zip(events, stamps, strict=True)],
-        "kind": [e.kind for e in events],
-    }
-    for name in _PLAIN_COLUMNS:
-        conv = _CONVERT.get(name)
-        values = [getattr(e, name, None) for e in events]
-        if conv is not None:
-            values = [None if v is None else conv(v) for v in values]
-        cols[name] = values
-    return pa.table(cols, schema=EVENT_SCHEMA)
+    """Turn validated events (with their append-time stamps) into one EVENT_SCHEMA table.
+
+    Columns are built from the fields of the event classes present only; the others are
+    all-null arrays, which cost nothing to make.
+    """
+    n = len(events)
+    present: set[str] = set()
+    for cls in {type(e) for e in events}:
+        present |= KIND_COLUMNS[cls.kind]
+    arrays: list[pa.Array] = []
+    for f in EVENT_SCHEMA:
+        name = f.name
+        if name == "ts":
+            values: list[Any] = [e.ts if e.ts is not None else s
+                                 for e, s in zip(events, stamps, strict=True)]
+            arrays.append(pa.array(values, f.type))
+        elif name == "kind":
+            arrays.append(pa.array([e.kind for e in events], f.type))
+        elif name not in present:
+            arrays.append(pa.nulls(n, f.type))
+        else:
+            values = [getattr(e, name, None) for e in events]
+            typ = _STRUCT_COLUMNS.get(name)
+            if typ is not None:
+                arrays.append(_struct(typ, values, n))
+            elif name == "labels":
+                arrays.append(pa.array([None if v is None else sorted(v.items())
+                                        for v in values], f.type))
+            else:
+                arrays.append(pa.array(values, f.type))
+    return pa.Table.from_arrays(arrays, schema=EVENT_SCHEMA)
 
 
 def _ref_from(d: Mapping[str, Any] | None) -> BlobRef | None:
@@ -685,8 +747,12 @@ def table_refs(t: pa.Table) -> set[BlobRef]:
         col = t.column(name)
         if col.null_count == len(col):
             continue
-        for d in col.drop_null().to_pylist():
-            out.add(BlobRef(d["tenant"], d["sha256"], d["size"]))
+        col = col.drop_null()
+        flat = pa.table({f: pc.struct_field(col, f) for f in ("tenant", "sha256", "size")})
+        uniq = flat.group_by(["tenant", "sha256", "size"]).aggregate([])
+        out.update(BlobRef(*row) for row in zip(*(uniq.column(c).to_pylist()
+                                                  for c in ("tenant", "sha256", "size")),
+                                                strict=True))
     return out
 
 
