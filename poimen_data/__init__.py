@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._blobs import BlobStore, FsBlobStore
 from ._fold import connect
+from ._grade import GradeReport, Verdict, VerifierCtx, grade
 from ._log import CommitInfo, EventLog, Transaction, open_log
 from ._maint import compact, reduce, vacuum
 from ._query import AttemptView, BranchView, EpisodeView, episode
@@ -36,6 +37,7 @@ __all__ = [
     "EpisodeView",
     "EventLog",
     "FsBlobStore",
+    "GradeReport",
     "LeaseHeld",
     "NotFound",
     "PoimenError",
@@ -44,9 +46,12 @@ __all__ = [
     "Transaction",
     "Usage",
     "ValidationError",
+    "Verdict",
+    "VerifierCtx",
     "compact",
     "connect",
     "episode",
+    "grade",
     "materialize",
     "open_log",
     "reduce",
