@@ -1,0 +1,1 @@
+"""Batch jobs composed from the library: ``python -m pipelines.nightly --root URL``."""

@@ -1,0 +1,551 @@
+"""The ``poimen`` command: a thin, friendly layer over the library (DESIGN section 8).
+
+Every command opens the root from ``--root``, else ``$POIMEN_ROOT``, else
+``./poimen-data`` (any fsspec URL), prints tables (``--json`` for scripts), and turns bad
+input into one line on stderr with a non-zero exit: 1 error, 2 usage, 3 not available yet.
+Library pieces are imported inside the commands, so one missing piece never breaks the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pipelines import stages as st
+
+app = typer.Typer(
+    name="poimen", no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    help="Query, grade and export the runs of the poimen agent-workflow engine.\n\n"
+         "Start with [bold]poimen demo[/], then [bold]poimen sql[/]. The log root comes "
+         "from --root, else $POIMEN_ROOT, else ./poimen-data (a path or any fsspec URL). "
+         "Exit status: 0 ok, 1 error, 2 usage, 3 not available yet.")
+out = Console(soft_wrap=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+Root = Annotated[str, typer.Option("--root", envvar="POIMEN_ROOT", show_envvar=True,
+                                   help="Log root: a path or fsspec URL.")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+AtLsn = Annotated[int | None, typer.Option("--at-lsn", help="Read the log as of this LSN.")]
+DEFAULT_ROOT = "./poimen-data"
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    raise CliError(message, code)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Catch what bad input raises and print it as one line, never a traceback."""
+    import duckdb
+
+    from .errors import PoimenError
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CliError as exc:
+            err.print(f"error: {exc}", markup=False)
+            raise typer.Exit(exc.code) from None
+        except st.NotYet as exc:
+            err.print(f"not available yet: {exc}", markup=False)
+            raise typer.Exit(3) from None
+        except PoimenError as exc:
+            err.print(f"error: {_one_line(exc)}", markup=False)
+            raise typer.Exit(1) from None
+        except duckdb.Error as exc:
+            err.print(f"error: SQL: {_one_line(exc)}", markup=False)
+            raise typer.Exit(1) from None
+        except (OSError, ValueError) as exc:
+            err.print(f"error: {type(exc).__name__}: {_one_line(exc)}", markup=False)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+    return wrapper
+
+
+def command(name: str, example: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a guarded command whose --help ends with a runnable example."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        app.command(name, epilog=f"[bold]Example:[/]  {example}")(_guarded(fn))
+        return fn
+    return deco
+
+
+def open_root(root: str) -> Any:
+    """Open an existing log; a missing one is an error that says how to make one."""
+    import poimen_data as pdm
+
+    try:
+        return pdm.open_log(root, create=False)
+    except pdm.NotFound:
+        fail(f"no poimen log at {root} (make one with `poimen demo --root {root}`, or "
+             "pass --root / set POIMEN_ROOT)")
+
+
+def emit_json(value: Any) -> None:
+    print(json.dumps(st.jsonable(value), indent=2, ensure_ascii=False))
+
+
+def kv_table(title: str, value: Any) -> Table:
+    """A report dataclass as a two-column table (nested tuples summarized)."""
+    t = Table(title=title, show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value", overflow="fold")
+    for k, v in st.jsonable(value).items():
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            v = f"{len(v)} items"
+        t.add_row(k, str(v))
+    return t
+
+
+def cell(v: Any) -> str:
+    """One value as table text: refs short, structs compact, None empty."""
+    if v is None:
+        return ""
+    if isinstance(v, dict) and set(v) == {"tenant", "sha256", "size"}:
+        return f"{v['sha256'][:10]}… {v['size']:,} B"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={cell(x)}" for k, x in v.items() if x not in (None, [], ()))
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(cell(x) for x in v) + "]"
+    return str(v)
+
+
+# --- demo --------------------------------------------------------------------------
+
+
+@command("demo", "poimen demo --runs 300 --seed 0 --root ./poimen-data")
+def demo(runs: Annotated[int, typer.Option(min=1, help="How many runs to record.")] = 300,
+         seed: Annotated[int, typer.Option(help="Seed of the workload.")] = 0,
+         batch: Annotated[int, typer.Option(min=1, help="Engine transitions per commit "
+                                                    "(1 = one commit each).")] = 16,
+         root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Record a realistic synthetic workload, then materialize, check, grade and export,
+    and print what it did and where to look. Replaces the root if it holds a log."""
+    from pipelines import demo as demo_mod
+
+    try:
+        facts = demo_mod.run(root, runs=runs, seed=seed, batch=batch, console=out,
+                             quiet=as_json)
+    except demo_mod.DemoRootError as exc:
+        fail(str(exc))
+    if as_json:
+        emit_json(facts)
+    if any(s["status"] == "failed" for s in facts["stages"]):
+        raise typer.Exit(1)
+
+
+# --- sql -------------------------------------------------------------------------------
+
+
+def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
+    rel = con.sql(query)
+    if rel is None:
+        out.print("ok")
+        return
+    reader = rel.to_arrow_reader(1024)
+    rows: list[dict[str, Any]] = []
+    n = 0
+    for batch in reader:
+        n += batch.num_rows
+        if as_json or len(rows) < max_rows:
+            rows.extend(batch.to_pylist())
+    if as_json:
+        emit_json(rows)
+        return
+    t = Table(show_lines=False)
+    for c in rel.columns:
+        t.add_column(c, overflow="fold")
+    for r in rows[:max_rows]:
+        t.add_row(*(cell(r[c]) for c in rel.columns))
+    out.print(t)
+    more = f"; showing {max_rows} (--max-rows)" if n > max_rows else ""
+    out.print(f"({n} row{'s' if n != 1 else ''}{more})", highlight=False)
+
+
+def _view_sql(name: str) -> str:
+    import importlib
+
+    fold = importlib.import_module("poimen_data._fold")
+    views = getattr(fold, "VIEW_SQL", None)
+    if isinstance(views, dict) and name not in views:
+        fail(f"no view {name!r}; views are {', '.join(sorted(views))}")
+    return str(st.lookup("view_sql")(name))
+
+
+def _repl(con: Any, max_rows: int) -> None:
+    """Read queries until EOF: a prompt with history on a terminal, lines from a pipe."""
+    import duckdb
+
+    if sys.stdin.isatty():
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+
+        hist = os.environ.get("POIMEN_SQL_HISTORY",
+                              os.path.expanduser("~/.poimen_sql_history"))
+        session: Any = PromptSession(history=FileHistory(hist))
+        out.print("SQL over events, runs, branches, attempts, trajectories, verdicts, "
+                  "reductions, anomalies. End with Ctrl-D.")
+
+        def read() -> str:
+            return str(session.prompt("poimen> "))
+    else:
+        def read() -> str:
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line
+    while True:
+        try:
+            q = read().strip().rstrip(";").strip()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if not q:
+            continue
+        if q in ("\\q", "exit", "quit"):
+            return
+        try:
+            _print_query(con, q, False, max_rows)
+        except duckdb.Error as exc:
+            err.print(f"error: SQL: {_one_line(exc)}", markup=False)
+
+
+@command("sql", "poimen sql \"select state, count(*) from runs group by state\"")
+def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt.")] = None,
+        explain: Annotated[str | None, typer.Option(
+            "--explain", metavar="VIEW", help="Print the SQL that defines a view.")] = None,
+        max_rows: Annotated[int, typer.Option(min=1, help="Rows to print.")] = 40,
+        at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Run SQL over the views (events, runs, branches, attempts, trajectories, verdicts,
+    reductions, anomalies); blob_text(ref) reads a body. No QUERY opens a prompt."""
+    if explain is not None:
+        out.print(_view_sql(explain), highlight=False, markup=False)
+        return
+    log = open_root(root)
+    con = st.lookup("connect")(log, at_lsn=at_lsn)
+    if query is None:
+        _repl(con, max_rows)
+    else:
+        _print_query(con, query, as_json, max_rows)
+
+
+# --- show ------------------------------------------------------------------------------
+
+STATE_STYLE = {"succeeded": "green", "failed": "red", "timed_out": "red",
+               "cancelled": "magenta", "dispatched": "yellow", "verifying": "cyan",
+               "running": "yellow"}
+
+
+def _styled(state: str) -> str:
+    return f"[{STATE_STYLE.get(state, 'white')}]{state}[/]"
+
+
+@command("show", "poimen show run-000007 --all-branches")
+def show(run: Annotated[str, typer.Argument(help="The run_id.")],
+         all_branches: Annotated[bool, typer.Option(
+             "--all-branches", help="Every branch, not only the live one.")] = False,
+         at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """One episode: its branches and attempts with states, refs, usage and errors
+    (bodies are never read; use `poimen sql` with blob_text for those)."""
+    from .events import check_run_id
+
+    check_run_id(run, "show")
+    log = open_root(root)
+    view = st.lookup("episode")(log, run, all_branches=all_branches, at_lsn=at_lsn)
+    if as_json:
+        emit_json(view)
+        return
+    out.print(f"[bold]{view.run_id}[/] tenant {view.tenant}, {view.workflow_version}, "
+              f"state {_styled(view.state)}, live branch {view.live_branch}, "
+              f"read at LSN {view.at_lsn}")
+    for b in view.branches:
+        fork = "" if b.parent_branch_id is None else \
+            f", forked from {b.parent_branch_id} at step {b.fork_step_index}"
+        t = Table(title=f"branch {b.branch_id}{' (live)' if b.is_live else ''}{fork}",
+                  title_justify="left")
+        for c in ("#", "step", "try", "state", "lsn", "prompt", "output", "tokens in/out",
+                  "cost $", "dropped", "error"):
+            t.add_column(c, overflow="fold")
+        for a in b.attempts:
+            u = a.usage
+            d = st.jsonable(a)
+            t.add_row(str(a.step_index), a.step, str(a.attempt), _styled(a.state),
+                      f"{a.first_lsn}-{a.last_lsn}", cell(d["prompt"]), cell(d["output"]),
+                      f"{u.input_tokens}/{u.output_tokens}" if u else "",
+                      str(u.cost_usd) if u and u.cost_usd is not None else "",
+                      ", ".join(a.context.dropped) if a.context else "", a.error or "")
+        out.print(t)
+
+
+# --- batch commands --------------------------------------------------------------------
+
+
+@command("materialize", "poimen materialize --root ./poimen-data")
+def materialize(root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Refresh the materialized state (incremental: folds only the new commits)."""
+    log = open_root(root)
+    covers = st.lookup("materialize")(log)
+    lsn = getattr(covers, "lsn", covers)
+    if as_json:
+        emit_json({"covers_lsn": lsn, "head": log.head})
+    else:
+        out.print(f"state covers LSN {lsn} (head {log.head})")
+
+
+@command("check", "poimen check --root ./poimen-data")
+def check(root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Prove that the materialized state equals a cold re-fold of the log; exit 1 if not."""
+    log = open_root(root)
+    r = st.check(log)
+    if r.status == "skipped":
+        raise st.NotYet(r.detail.removesuffix(" (stage skipped)"))
+    if as_json:
+        emit_json(r)
+    elif r.status == "ok":
+        out.print(r.detail)
+    if r.status != "ok":
+        fail(r.detail)
+
+
+def load_verifier(spec: str) -> Any:
+    """``MODULE:NAME`` or ``path/to/file.py:NAME`` (dotted NAME allowed)."""
+    import importlib
+    import importlib.util
+
+    mod_name, _, attr = spec.rpartition(":")
+    if not mod_name or not attr:
+        fail(f"--verifier {spec!r} must be MODULE:NAME (e.g. poimen_data.verifiers:exit_code)")
+    try:
+        if mod_name.endswith(".py"):
+            loc = importlib.util.spec_from_file_location("_poimen_verifier", mod_name)
+            if loc is None or loc.loader is None or not os.path.exists(mod_name):
+                fail(f"--verifier {spec!r}: no such file {mod_name}")
+            obj: Any = importlib.util.module_from_spec(loc)
+            loc.loader.exec_module(obj)
+        else:
+            obj = importlib.import_module(mod_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except ImportError as exc:
+        fail(f"--verifier {spec!r}: cannot import {mod_name}: {_one_line(exc)}")
+    except AttributeError:
+        fail(f"--verifier {spec!r}: {mod_name} has no {attr}")
+    if not callable(obj):
+        fail(f"--verifier {spec!r} is not callable")
+    return obj
+
+
+@command("grade", "poimen grade --verifier poimen_data.verifiers:exit_code")
+def grade(verifier: Annotated[list[str] | None, typer.Option(
+              "--verifier", "-v", help="MODULE:NAME or file.py:NAME, repeatable "
+                                       "(default: the example verifiers).")] = None,
+          run: Annotated[list[str] | None, typer.Option(
+              "--run", help="Grade only these runs (repeatable).")] = None,
+          force: Annotated[bool, typer.Option(help="Grade again even if graded.")] = False,
+          scheduler: Annotated[str | None, typer.Option(
+              help="A Dask scheduler address to grade on.")] = None,
+          root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Grade the runs in verifying (each at its snapshot LSN) and record verdicts."""
+    from rich.progress import Progress
+
+    vs = [load_verifier(s) for s in verifier] if verifier else st.default_verifiers()
+    log = open_root(root)
+    fn = st.lookup("grade")
+    executor = None
+    if scheduler:
+        from distributed import Client
+
+        executor = Client(scheduler)
+    with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as p:
+        task = p.add_task("grading", total=None)
+        r = fn(log, vs, runs=run or None, executor=executor, force=force,
+               progress=lambda done, total: p.update(task, completed=done, total=total))
+    if as_json:
+        emit_json(r)
+        return
+    out.print(f"graded {r.runs_graded} runs ({r.runs_passed} passed, {r.runs_failed} failed, "
+              f"{r.runs_errored} errored), {r.runs_skipped} skipped; "
+              f"{r.verdicts_recorded} verdicts in {r.commits} commits, {r.wall_s:.2f} s")
+    t = Table(title="per verifier")
+    for c in ("verifier", "graded", "skipped", "passed", "failed", "errored"):
+        t.add_column(c)
+    for v in r.per_verifier:
+        t.add_row(v.verifier, *(str(getattr(v, c)) for c in
+                                ("graded", "skipped", "passed", "failed", "errored")))
+    out.print(t)
+
+
+@command("export", "poimen export --format jsonl --out ./live.jsonl")
+def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | pairs")]
+           = "jsonl",
+           dest: Annotated[str, typer.Option("--out", help="Destination file (path or URL).")]
+           = "./live.jsonl",
+           source: Annotated[str, typer.Option(help="auto | state | log")] = "auto",
+           run: Annotated[list[str] | None, typer.Option("--run", help="Only these runs.")]
+           = None,
+           at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Export the live-branch trajectory of every run (failed attempts kept) for training."""
+    from rich.progress import Progress
+
+    log = open_root(root)
+    fn = st.lookup("export_live")
+    with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as p:
+        task = p.add_task("exporting runs", total=None)
+        r = fn(log, dest, format=fmt, source=source, at_lsn=at_lsn, runs=run or None,
+               progress=lambda pr: p.update(task, completed=pr.runs_done,
+                                            total=pr.runs_total))
+    if as_json:
+        emit_json(r)
+    else:
+        out.print(f"wrote {r.path}: {r.records} records of {r.runs} runs, {r.bytes:,} bytes, "
+                  f"{r.format} from {r.source} at LSN {r.export_lsn}, sha256 {r.sha256}")
+
+
+# --- maintenance -----------------------------------------------------------------------
+
+
+@command("compact", "poimen compact --root ./poimen-data")
+def compact(target_rows: Annotated[int | None, typer.Option(
+                help="Rows per rewritten segment.")] = None,
+            root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Rewrite runs of small segments into large ones (same events, same LSNs)."""
+    log = open_root(root)
+    fn = st.lookup("compact")
+    r = fn(log) if target_rows is None else fn(log, target_rows=target_rows)
+    emit_json(r) if as_json else out.print(kv_table("compact", r))
+
+
+@command("vacuum", "poimen vacuum --grace 3600")
+def vacuum(grace: Annotated[float | None, typer.Option(
+               help="Seconds an unreferenced file must be old before removal "
+                    "(0: now; only when no writer is active).")] = None,
+           root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Remove uncommitted staging, unreferenced bodies and superseded segments."""
+    log = open_root(root)
+    fn = st.lookup("vacuum")
+    r = fn(log) if grace is None else fn(log, grace=grace)
+    emit_json(r) if as_json else out.print(kv_table("vacuum", r))
+
+
+def _summarize(keep: int) -> Callable[[bytes], bytes]:
+    def summarize(body: bytes) -> bytes:
+        head = body[:keep].decode("utf-8", "ignore")
+        return f"{head}\n[reduced by poimen: {len(body):,} bytes originally]\n".encode()
+    return summarize
+
+
+@command("reduce", "poimen reduce --larger-than 100000 --keep 2048")
+def reduce(larger_than: Annotated[int | None, typer.Option(
+               help="Reduce every prompt/output body larger than this many bytes.")] = None,
+           ref: Annotated[list[str] | None, typer.Option(
+               "--ref", help="TENANT/SHA256/SIZE of one body (repeatable).")] = None,
+           keep: Annotated[int, typer.Option(help="Bytes of the body the summary keeps.")]
+           = 1024,
+           dry_run: Annotated[bool, typer.Option(help="List, change nothing.")] = False,
+           root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Replace large bodies by short summaries (a blob_reduced event each); readers then
+    see the summary, and the original bytes are deleted."""
+    from .events import BlobRef, check_ref
+
+    if larger_than is None and not ref:
+        fail("say what to reduce: --larger-than BYTES or --ref TENANT/SHA256/SIZE")
+    log = open_root(root)
+    refs: dict[tuple[str, str], BlobRef] = {}
+    for s in ref or []:
+        parts = s.split("/")
+        if len(parts) != 3 or not parts[2].isdigit():
+            fail(f"--ref {s!r} must be TENANT/SHA256/SIZE")
+        r = check_ref(BlobRef(parts[0], parts[1], int(parts[2])), "--ref")
+        refs[(r.tenant, r.sha256)] = r
+    if larger_than is not None:
+        t = log.read_events()
+        for col in ("prompt", "output"):
+            for d in t.column(col).drop_null().to_pylist():
+                if d["size"] > larger_than:
+                    refs[(d["tenant"], d["sha256"])] = BlobRef(**d)
+    todo = [refs[k] for k in sorted(refs)]
+    if dry_run or not todo:
+        data = {"would_reduce": len(todo), "bytes": sum(r.size for r in todo)}
+        emit_json(data) if as_json else out.print(
+            f"{'would reduce' if dry_run else 'nothing to reduce:'} {len(todo)} bodies, "
+            f"{data['bytes']:,} bytes")
+        return
+    r = st.lookup("reduce")(log, todo, _summarize(keep))
+    if as_json:
+        emit_json(r)
+    else:
+        out.print(f"reduced {len(r.reduced)} bodies ({len(r.skipped)} already reduced), "
+                  f"freed {r.bytes_freed:,} bytes, at LSN {r.lsn}")
+
+
+@command("log", "poimen log --limit 20")
+def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits.")] = 30,
+         root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """List commits: seq, LSN range, kind, events, bytes written, time."""
+    log = open_root(root)
+    rows = []
+    for m in log.manifests():
+        seg = sum(s.size for s in m.segments)
+        blobs = [b for b in m.blobs if b.staged is not None]
+        rows.append({"seq": m.seq, "first_lsn": m.first_lsn if m.n_events else None,
+                     "last_lsn": m.last_lsn if m.n_events else None, "kind": m.kind,
+                     "events": m.n_events, "blobs": len(blobs),
+                     "bytes": seg + sum(b.size for b in blobs), "ts": m.ts})
+    shown = rows[-limit:]
+    if as_json:
+        emit_json(shown)
+        return
+    t = Table(title=f"{log.root}: {len(rows)} commits, head LSN {log.head}")
+    for c in ("seq", "lsn", "kind", "events", "new blobs", "bytes", "time (UTC)"):
+        t.add_column(c, justify="right" if c in ("seq", "events", "new blobs", "bytes")
+                     else "left")
+    for r in shown:
+        lsn = f"{r['first_lsn']}-{r['last_lsn']}" if r["events"] else "-"
+        t.add_row(str(r["seq"]), lsn, r["kind"], str(r["events"]), str(r["blobs"]),
+                  f"{r['bytes']:,}", r["ts"][:23].replace("T", " "))
+    out.print(t)
+    if len(rows) > limit:
+        out.print(f"({len(rows) - limit} older commits not shown; --limit)")
+
+
+@command("bench", "poimen bench --quick --json bench.json")
+def bench(quick: Annotated[bool, typer.Option(help="Small sizes: under a minute.")] = False,
+          json_path: Annotated[str | None, typer.Option("--json", help="Write JSON here.")]
+          = None,
+          only: Annotated[str | None, typer.Option(help="Run one scenario.")] = None) -> None:
+    """Measure every speed goal against its reference, side by side (ratios)."""
+    try:
+        from pipelines import bench as bench_mod
+    except ImportError:
+        raise st.NotYet("poimen bench is not available yet") from None
+    bench_mod.main(quick=quick, json_path=json_path, only=only, console=out)
+
+
+def main() -> None:
+    """Console-script entry point (``poimen``)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
