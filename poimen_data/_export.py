@@ -1,0 +1,468 @@
+"""Export for the learning loop (DESIGN section 7): the live-branch trajectory of every
+run as training data, at one fixed LSN, as chat ``jsonl``, flat ``parquet`` or
+preference ``pairs``.
+
+The bytes are a pure function of the log at that LSN, so a materialized state and a cold
+re-fold give files with the same sha256: rows come from one SQL query over the fold's
+views with a total order, batches are cut by a pure function of those rows, and every
+writer setting is pinned (``_export_formats``). The export streams: rows arrive from
+DuckDB in Arrow batches, bodies are fetched one batch ahead by a bounded thread pool
+(so S3 latency overlaps), and each batch is written before the next is fetched, so
+memory is bounded by ``batch_size`` and not by the log or its bodies. The file is
+written under a temporary name next to ``dest`` and published at the end, so a failed
+export leaves nothing at ``dest``.
+
+Rules a consumer must know:
+
+- Records: one per attempt of the live trajectory (inherited attempts below each fork
+  point, then the live branch's own), runs by ``run_id``, attempts in the fold's
+  trajectory order (``trajectory_pos``: by ``(step_index NULLS LAST, attempt_no)`` in a
+  well-formed run; inherited before own when an anomaly mixes them). Failed,
+  timed-out, cancelled and still-dispatched attempts are kept with their ``state``
+  unless ``only_succeeded``.
+- Bodies are decoded as UTF-8 (invalid bytes become U+FFFD). An attempt with no body
+  (no prompt ref, or no output yet) exports ``null``, never ``""``: "nothing captured"
+  stays distinct from "captured empty", and chat loaders accept a null assistant turn.
+- A reduced body exports its summary text with ``prompt_reduced``/``output_reduced``
+  true. The summary is found in the ``reductions`` view at the export LSN; a body reduced
+  after that LSN (its original is gone) exports the summary of its latest reduction.
+- ``verdicts``: the verdicts recorded for the run's live branch (those that graded this
+  trajectory; a verdict on a branch abandoned by a later rewind graded other attempts),
+  ordered by ``(snapshot_lsn, verifier, lsn)``.
+- ``pairs``: on one run's live trajectory, every attempt that ``failed`` or ``timed_out``
+  is paired with the *first later* ``succeeded`` attempt of the same step (same
+  ``step_id`` and ``step_index``, later in trajectory order). ``prompt`` is the failed
+  attempt's prompt: the rejected output is on-policy for it, the lesson is "answer this
+  prompt the way the retry did", and a retry prompt often quotes the failed output or its
+  error, which would leak the rejected answer into the prompt. A pair is skipped when the
+  failed prompt, the rejected output or the chosen output has no body; ``cancelled``
+  attempts are not rejections (the model did not fail). Pairs are ordered like records,
+  by the failed attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+from fsspec.implementations.local import LocalFileSystem
+
+from . import _fold, _state
+from ._export_formats import SLOTS, VERDICT_TYPE, WRITERS
+from ._log import EventLog
+from .errors import NotFound, ValidationError
+from .events import BlobRef
+
+FORMATS = tuple(WRITERS)
+SOURCES = ("auto", "state", "log")
+DEFAULT_BATCH_BYTES = 64 << 20
+MAX_BATCH_ROWS = 8192
+_TABLES = ("runs", "trajectories", "verdicts", "reductions")
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote. ``reduced`` counts bodies exported as their summary."""
+
+    path: str
+    format: str
+    source: str
+    export_lsn: int
+    runs: int
+    records: int
+    bytes: int
+    reduced: int
+
+
+@dataclass(frozen=True)
+class ExportProgress:
+    """Handed to the ``progress`` callback after each batch is written."""
+
+    runs_done: int
+    runs_total: int
+    records: int
+    bytes: int
+
+
+_LIVE_SQL = """
+WITH red AS (
+    SELECT tenant, original.sha256 AS sha256, arg_max(summary, lsn) AS summary
+    FROM reductions GROUP BY tenant, original.sha256
+), vd AS (
+    SELECT v.run_id,
+           list({{'verifier': v.verifier, 'passed': v.passed, 'score': v.score::DOUBLE,
+                  'snapshot_lsn': v.snapshot_lsn::BIGINT}}
+                ORDER BY v.snapshot_lsn, v.verifier, v.lsn) AS verdicts
+    FROM verdicts v JOIN runs r ON r.run_id = v.run_id AND v.branch_id = r.live_branch
+    GROUP BY v.run_id
+)
+SELECT t.run_id, t.tenant, t.branch_id, t.step_id, t.step_index, t.attempt_no, t.state,
+       t.workflow_version, t.usage,
+       coalesce(rp.summary, t.prompt) AS prompt_ref, rp.summary IS NOT NULL AS prompt_reduced,
+       coalesce(ro.summary, t.output) AS output_ref, ro.summary IS NOT NULL AS output_reduced,
+       coalesce(vd.verdicts, []::{verdict_type}[]) AS verdicts,
+       row_number() OVER (PARTITION BY t.run_id ORDER BY {trajectory_order}) AS pos
+FROM trajectories t
+LEFT JOIN red rp ON rp.tenant = t.prompt.tenant AND rp.sha256 = t.prompt.sha256
+LEFT JOIN red ro ON ro.tenant = t.output.tenant AND ro.sha256 = t.output.sha256
+LEFT JOIN vd ON vd.run_id = t.run_id
+WHERE t.is_live {where}
+"""
+
+_PAIRS_SQL = """
+SELECT * FROM (
+    SELECT r.run_id, r.tenant, r.step_id, r.step_index,
+           c.branch_id AS chosen_branch_id, c.attempt_no AS chosen_attempt_no,
+           c.workflow_version AS chosen_workflow_version,
+           r.branch_id AS rejected_branch_id, r.attempt_no AS rejected_attempt_no,
+           r.state AS rejected_state, r.workflow_version AS rejected_workflow_version,
+           r.prompt_ref, r.prompt_reduced, c.output_ref AS chosen_ref,
+           c.output_reduced AS chosen_reduced, r.output_ref AS rejected_ref,
+           r.output_reduced AS rejected_reduced, r.verdicts, r.pos
+    FROM export_live r JOIN export_live c
+      ON c.run_id = r.run_id AND c.step_id = r.step_id
+     AND c.step_index IS NOT DISTINCT FROM r.step_index AND c.pos > r.pos
+     AND c.state = 'succeeded'
+    WHERE r.state IN ('failed', 'timed_out')
+    QUALIFY row_number() OVER (PARTITION BY r.run_id, r.pos ORDER BY c.pos) = 1
+)
+WHERE prompt_ref IS NOT NULL AND chosen_ref IS NOT NULL AND rejected_ref IS NOT NULL
+ORDER BY run_id, pos
+"""
+
+
+def export_live(
+    log: EventLog,
+    dest: str | os.PathLike[str],
+    *,
+    format: str = "jsonl",
+    source: str = "auto",
+    at_lsn: int | None = None,
+    runs: Iterable[str] | None = None,
+    only_succeeded: bool = False,
+    batch_size: int = DEFAULT_BATCH_BYTES,
+    max_workers: int = 8,
+    progress: Callable[[ExportProgress], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> ExportReport:
+    """Export the live trajectory of each run (or of ``runs``) to ``dest`` (any fsspec URL).
+
+    ``batch_size`` is the body budget of one batch in bytes (a batch holds at least one
+    row, so one body larger than it is still exported); files are byte-identical for the
+    same log, LSN and options. ``source`` picks where the rows come from: ``"state"``
+    (a materialized state at exactly the export LSN, else ``NotFound``), ``"log"`` (a
+    cold re-fold) or ``"auto"``. Unknown ``runs`` raise ``NotFound``.
+    """
+    if format not in FORMATS:
+        raise ValidationError(f"export: format must be one of {FORMATS}, got {format!r}")
+    if source not in SOURCES:
+        raise ValidationError(f"export: source must be one of {SOURCES}, got {source!r}")
+    if format == "pairs" and only_succeeded:
+        raise ValidationError("export: only_succeeded leaves no failed attempt to pair")
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValidationError(f"export: batch_size must be an int >= 1, got {batch_size!r}")
+    if type(max_workers) is not int or max_workers < 1:
+        raise ValidationError(f"export: max_workers must be an int >= 1, got {max_workers!r}")
+    head = log.head
+    lsn = head if at_lsn is None else at_lsn
+    if type(lsn) is not int or not 0 <= lsn <= head:
+        raise ValidationError(f"export: at_lsn {at_lsn!r} is outside 0..{head}")
+    con, used = _connect(log, source, lsn)
+    try:
+        _select(con, runs, only_succeeded)
+        query = _PAIRS_SQL if format == "pairs" else \
+            "SELECT * FROM export_live ORDER BY run_id, pos"
+        runs_total = con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})").fetchall()[0][0]
+        reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
+        with _Publisher(os.fspath(dest), storage_options) as out, \
+                ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export") as pool:
+            writer = WRITERS[format](out, lsn)
+            fetcher = _Fetcher(log, pool)
+            stats = _pump(reader, writer, fetcher, SLOTS[format], batch_size,
+                          lambda runs_done, records: progress(ExportProgress(
+                              runs_done, int(runs_total), records,
+                              out.bytes)) if progress else None)
+            writer.close()
+    finally:
+        con.close()
+    return ExportReport(out.url, format, used, lsn, stats[0], stats[1], out.bytes,
+                        stats[2])
+
+
+def _connect(log: EventLog, source: str, lsn: int) -> tuple[Any, str]:
+    """A DuckDB connection holding the fold's tables at ``lsn``, and the source used.
+
+    ``auto`` uses the materialized state when it covers exactly ``lsn`` (the export LSN
+    is fixed, so a state at another LSN cannot serve it) and folds the log otherwise.
+    """
+    if source != "log":
+        ptr = _state.usable_pointer(log)
+        if ptr is not None and ptr.lsn == lsn:
+            con = duckdb.connect(":memory:")
+            con.execute("SET TimeZone = 'UTC'")
+            schemas = _state.table_schemas()
+            for name in _TABLES:
+                parts = [_state.read_file(log, f) for f in ptr.tables.get(name, ())]
+                con.register(name, pa.concat_tables(parts) if parts
+                             else schemas[name].empty_table())
+            return con, "state"
+        if source == "state":
+            have = "no usable materialized state" if ptr is None else \
+                f"the materialized state covers lsn {ptr.lsn}"
+            raise NotFound(f"export: {have}, not lsn {lsn} (run materialize, or use "
+                           "source='log' or 'auto')")
+    con = _fold.new_connection(log.read_events(lsn))
+    _fold.create_fold_tables(con, _TABLES)
+    return con, "log"
+
+
+def _select(con: Any, runs: Iterable[str] | None, only_succeeded: bool) -> None:
+    """Create the temp table ``export_live``: the rows to export, refs and metadata only."""
+    where = []
+    params: dict[str, Any] = {}
+    if runs is not None:
+        wanted = sorted(set(runs if not isinstance(runs, str) else [runs]))
+        if not all(isinstance(r, str) for r in wanted):
+            raise ValidationError("export: runs must be run ids (str)")
+        found = {r for (r,) in con.execute(
+            "SELECT run_id FROM runs WHERE list_contains($runs, run_id)",
+            {"runs": wanted}).fetchall()}
+        missing = [r for r in wanted if r not in found]
+        if missing:
+            raise NotFound(f"export: no run {', '.join(missing[:5])} in the log at this LSN")
+        where.append("AND list_contains($runs, t.run_id)")
+        params["runs"] = wanted
+    if only_succeeded:
+        where.append("AND t.state = 'succeeded'")
+    sql = _LIVE_SQL.format(where=" ".join(where), verdict_type=_duck_type(VERDICT_TYPE),
+                           trajectory_order=_trajectory_order())
+    con.execute(f"CREATE OR REPLACE TEMP TABLE export_live AS {sql}", params)
+
+
+def _trajectory_order() -> str:
+    """The fold's order of the attempts within one trajectory (its table keys after run
+    and trajectory), so the export and the ``trajectories`` view never disagree."""
+    keys = [k for k in _fold.TABLE_KEYS["trajectories"]
+            if k.split()[0] not in ("run_id", "trajectory_branch_id")]
+    return ", ".join(f"t.{k}" for k in keys)
+
+
+def _duck_type(t: pa.StructType) -> str:
+    names = {pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN", pa.float64(): "DOUBLE",
+             pa.int64(): "BIGINT"}
+    return "STRUCT(" + ", ".join(f"{f.name} {names[f.type]}" for f in t) + ")"
+
+
+# --- the pipeline ------------------------------------------------------------------------
+
+
+def _batches(reader: pa.RecordBatchReader, slots: tuple[str, ...], budget: int
+             ) -> Iterator[pa.RecordBatch]:
+    """Re-cut DuckDB's batches (whose sizes vary between runs) by a pure function of the
+    rows: at most ``MAX_BATCH_ROWS`` rows and ``budget`` body bytes (at least one row)."""
+    pending: list[pa.RecordBatch] = []
+    for b in reader:
+        if b.num_rows:
+            pending.append(b)
+        if sum(p.num_rows for p in pending) >= MAX_BATCH_ROWS:
+            yield from _cut(pending, slots, budget, final=False)
+    yield from _cut(pending, slots, budget, final=True)
+
+
+def _cut(pending: list[pa.RecordBatch], slots: tuple[str, ...], budget: int,
+         final: bool) -> Iterator[pa.RecordBatch]:
+    if not pending:
+        return
+    t = pa.Table.from_batches(pending).combine_chunks()
+    pending.clear()
+    sizes = None
+    for s in slots:
+        sz = pc.fill_null(pc.struct_field(t.column(f"{s}_ref"), "size"), 0)
+        sizes = sz if sizes is None else pc.add(sizes, sz)
+    size_list = sizes.to_pylist() if sizes is not None else [0] * t.num_rows
+    start, acc = 0, 0
+    for i, sz in enumerate(size_list):
+        if i > start and (acc + sz > budget or i - start >= MAX_BATCH_ROWS):
+            yield from t.slice(start, i - start).to_batches(max_chunksize=MAX_BATCH_ROWS)
+            start, acc = i, 0
+        acc += sz
+    rest = t.slice(start)
+    if rest.num_rows:
+        if final:
+            yield from rest.to_batches(max_chunksize=MAX_BATCH_ROWS)
+        else:
+            pending.extend(rest.to_batches())
+
+
+class _Fetcher:
+    """Fetches bodies through ``log.blobs`` on a bounded pool and decodes them."""
+
+    def __init__(self, log: EventLog, pool: ThreadPoolExecutor) -> None:
+        self.log, self.pool = log, pool
+        self._late: dict[tuple[str, str], BlobRef] | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, batch: pa.RecordBatch, slots: tuple[str, ...]
+               ) -> dict[tuple[str, str], Future[tuple[bytes, bool]]]:
+        futs: dict[tuple[str, str], Future[tuple[bytes, bool]]] = {}
+        for s in slots:
+            for d in batch.column(f"{s}_ref").to_pylist():
+                if d is not None and (d["tenant"], d["sha256"]) not in futs:
+                    ref = BlobRef(d["tenant"], d["sha256"], d["size"])
+                    futs[(ref.tenant, ref.sha256)] = self.pool.submit(self._body, ref)
+        return futs
+
+    def _body(self, ref: BlobRef) -> tuple[bytes, bool]:
+        """The body, and whether a reduction after the export LSN replaced it by its summary.
+        Bytes, not text: writers decode one record at a time, so a batch is held once."""
+        late = False
+        for _ in range(8):
+            data = self.log.blobs.get(ref)
+            if data is not None:
+                return data, late
+            summary = self._late_reductions().get((ref.tenant, ref.sha256))
+            if summary is None:
+                break
+            ref, late = summary, True
+        raise NotFound(f"export: body {ref.tenant}/{ref.sha256} was reduced and no summary "
+                       "of it is in the log")
+
+    def _late_reductions(self) -> dict[tuple[str, str], BlobRef]:
+        with self._lock:
+            if self._late is None:
+                ev = self.log.read_events()
+                red = ev.filter(pc.equal(ev.column("kind"), "blob_reduced"))
+                self._late = {}
+                for o, s in zip(red.column("original").to_pylist(),
+                                red.column("summary").to_pylist(), strict=True):
+                    self._late[(o["tenant"], o["sha256"])] = BlobRef(**s)
+            return self._late
+
+
+def _pump(reader: pa.RecordBatchReader, writer: Any, fetcher: _Fetcher,
+          slots: tuple[str, ...], budget: int,
+          report: Callable[[int, int], None] | None) -> tuple[int, int, int]:
+    """Fetch batch i+1's bodies while batch i is written. Returns (runs, records, reduced)."""
+    runs = records = reduced_n = 0
+    last_run: str | None = None
+    ahead: tuple[pa.RecordBatch, dict[Any, Future[tuple[bytes, bool]]]] | None = None
+    it = _batches(reader, slots, budget)
+    while True:
+        nxt = next(it, None)
+        queued = None if nxt is None else (nxt, fetcher.submit(nxt, slots))
+        if ahead is not None:
+            (batch, futs), ahead = ahead, None
+            bodies: dict[str, list[bytes | None]] = {}
+            flags: dict[str, list[bool]] = {}
+            for s in slots:
+                refs = batch.column(f"{s}_ref").to_pylist()
+                red = batch.column(f"{s}_reduced").to_pylist()
+                got = [None if d is None else futs[(d["tenant"], d["sha256"])].result()
+                       for d in refs]
+                bodies[s] = [None if g is None else g[0] for g in got]
+                flags[s] = [bool(r) or (g is not None and g[1]) for r, g in zip(red, got,
+                                                                                 strict=True)]
+                reduced_n += sum(flags[s])
+            del got, futs
+            writer.write(batch, bodies, flags)
+            del bodies
+            ids = batch.column("run_id").to_pylist()
+            runs += len({r for r in ids if r != last_run})
+            last_run = ids[-1]
+            records += batch.num_rows
+            if report is not None:
+                report(runs - (nxt is not None), records)
+        if queued is None:
+            return runs, records, reduced_n
+        ahead = queued
+
+
+# --- writing and publishing ----------------------------------------------------------------
+
+
+class _Publisher:
+    """A binary sink at a temporary name next to ``dest``, counted as it is written,
+    moved onto ``dest`` only when the block exits cleanly."""
+
+    def __init__(self, dest: str, storage_options: dict[str, Any] | None) -> None:
+        self.fs, self.path = fsspec.core.url_to_fs(dest, **(storage_options or {}))
+        self.local = isinstance(self.fs, LocalFileSystem)
+        if self.local:
+            self.path = os.path.abspath(self.path)
+        self.url = self.path if self.local else self.fs.unstrip_protocol(self.path)
+        parent, name = self.path.rsplit("/", 1) if "/" in self.path else ("", self.path)
+        self.tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else \
+            f".{name}.{uuid.uuid4().hex}.tmp"
+        self.bytes = 0
+        self._f: Any = None
+
+    def __enter__(self) -> _Publisher:
+        if self.local:
+            os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
+            self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in __exit__
+        else:
+            self._f = self.fs.open(self.tmp, "wb")
+        return self
+
+    # the file-like surface pyarrow and the jsonl writers need
+    def write(self, data: bytes | memoryview) -> int:
+        self._f.write(data)
+        self.bytes += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.bytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
+            if self.local:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                self._f.close()
+                os.replace(self.tmp, self.path)
+            else:
+                self._f.close()
+                self.fs.mv(self.tmp, self.path)
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """Drop the temporary file; an unfinished S3 upload is aborted, never completed."""
+        f = self._f
+        try:
+            if hasattr(f, "discard") and not self.local:
+                f.discard()
+            if not f.closed:
+                f.close()
+        except Exception:  # noqa: BLE001 - the export's own error is what matters
+            pass
+        try:
+            if self.local:
+                os.unlink(self.tmp)
+            elif self.fs.exists(self.tmp):
+                self.fs.rm_file(self.tmp)
+        except OSError:
+            pass

@@ -1,0 +1,354 @@
+"""Export for the learning loop (DESIGN section 7, issue 5): the live trajectory only,
+byte-identical from materialized state and from a cold re-fold, loadable by the tools
+people train with, streaming in bounded memory, never a partial file at ``dest``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import tracemalloc
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+import poimen_data as pdm
+from poimen_data import events as ev
+from poimen_data._export import ExportProgress, export_live
+from poimen_data._maint import reduce
+from poimen_data._state import materialize
+
+T = "acme"
+
+
+def text(kind: str, run: str, branch: int, step: str, no: int) -> str:
+    return f"{kind} of {run}/{branch}/{step}#{no}"
+
+
+class Recorder:
+    """Writes events the way the engine does: each body in the commit of its transition."""
+
+    def __init__(self, log: pdm.EventLog) -> None:
+        self.log = log
+
+    def commit(self, *events: ev.Event) -> int:
+        with self.log.transaction() as tx:
+            tx.extend(events)
+        assert tx.commit_info is not None
+        return tx.commit_info.last_lsn
+
+    def attempt(self, run: str, branch: int, step: str, index: int, no: int, state: str, *,
+                prompt: str | None = "", output: str | None = "",
+                usage: ev.Usage | None = None) -> tuple[ev.BlobRef | None, ev.BlobRef | None]:
+        prompt = text("prompt", run, branch, step, no) if prompt == "" else prompt
+        output = text("output", run, branch, step, no) if output == "" else output
+        with self.log.transaction() as tx:
+            p = None if prompt is None else tx.put_blob(T, prompt.encode())
+            tx.append(ev.AttemptDispatched(T, run, branch, step, index, no, prompt=p))
+            o = None
+            if state != "dispatched":
+                o = None if output is None else tx.put_blob(T, output.encode())
+                tx.append(ev.AttemptFinished(T, run, branch, step, no, state, output=o,
+                                             usage=usage))
+        return p, o
+
+
+def rich_log(root: str) -> tuple[pdm.EventLog, dict[str, Any]]:
+    """Retries, a run rewound twice (a fork of a fork), a cancel, a timed-out attempt and a
+    reduced prompt shared by two attempts. Runs are recorded out of run_id order."""
+    log = pdm.open_log(root)
+    r = Recorder(log)
+    r.commit(ev.RunStarted(T, "r-c", "wf-1"), ev.RunStarted(T, "r-a", "wf-1"),
+             ev.RunStarted(T, "r-b", "wf-2"))
+    shared = "the same long question, asked twice"
+    p_c, _ = r.attempt("r-c", 0, "ask", 0, 1, "timed_out", prompt=shared, output="half an answ")
+    r.attempt("r-c", 0, "ask", 0, 2, "succeeded", prompt=shared, usage=ev.Usage(
+        input_tokens=1000, output_tokens=20, cost_usd=Decimal("0.0012"), latency_ms=812.5))
+    # r-a, branch 0
+    r.attempt("r-a", 0, "plan", 0, 1, "succeeded", usage=ev.Usage(
+        input_tokens=10, output_tokens=5, cost_usd=Decimal("0.000015")))
+    r.attempt("r-b", 0, "plan", 0, 1, "succeeded")
+    r.attempt("r-a", 0, "code", 1, 1, "failed")
+    r.attempt("r-a", 0, "code", 1, 2, "succeeded")
+    r.attempt("r-a", 0, "test", 2, 1, "failed")
+    r.attempt("r-a", 0, "test", 2, 2, "succeeded")
+    snap0 = r.commit(ev.VerifyingEntered(T, "r-a"))
+    r.commit(ev.VerdictRecorded(T, "r-a", 0, "judge@1", snap0, False, 0.25))
+    # rewind 1: branch 1 forks branch 0 at step 1
+    r.commit(ev.BranchForked(T, "r-a", 1, 0, 1))
+    r.attempt("r-a", 1, "code", 1, 1, "failed", usage=ev.Usage(cost_usd=Decimal("0.5")))
+    r.attempt("r-a", 1, "code", 1, 2, "succeeded")
+    r.attempt("r-b", 0, "code", 1, 1, "dispatched")
+    r.commit(ev.RunCancelled(T, "r-b", "operator"))
+    r.attempt("r-a", 1, "test", 2, 1, "timed_out", output=None)
+    r.attempt("r-a", 1, "test", 2, 2, "succeeded")
+    snap1 = r.commit(ev.VerifyingEntered(T, "r-a"))
+    # rewind 2: branch 2 forks branch 1 at step 2 (a fork of a fork)
+    r.commit(ev.BranchForked(T, "r-a", 2, 1, 2))
+    r.attempt("r-a", 2, "test", 2, 1, "failed")
+    r.attempt("r-a", 2, "test", 2, 2, "succeeded")
+    r.attempt("r-a", 2, "ship", 3, 1, "succeeded")
+    snap2 = r.commit(ev.VerifyingEntered(T, "r-a"))
+    r.commit(ev.VerdictRecorded(T, "r-a", 2, "judge@1", snap2, True, 0.75),
+             ev.VerdictRecorded(T, "r-a", 2, "lint@2", snap2, True),
+             ev.RunFinished(T, "r-a", "succeeded"))
+    assert p_c is not None
+    red = reduce(log, [p_c], lambda body: b"summary: a long question")
+    assert red.lsn == log.head
+    return log, {"snap1": snap1, "snap2": snap2}
+
+
+#: The live trajectory of r-a: (branch_id, step_id, step_index, attempt_no, state).
+LIVE_A = [
+    (0, "plan", 0, 1, "succeeded"),       # inherited from branch 0 (below fork 1 at step 1)
+    (1, "code", 1, 1, "failed"),          # inherited from branch 1 (below fork 2 at step 2)
+    (1, "code", 1, 2, "succeeded"),       # inherited from branch 1
+    (2, "test", 2, 1, "failed"),          # branch 2's own
+    (2, "test", 2, 2, "succeeded"),
+    (2, "ship", 3, 1, "succeeded"),
+]
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    data = path.read_bytes()
+    assert data.endswith(b"\n")
+    return [orjson.loads(x) for x in data.split(b"\n")[:-1]]
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs"])
+def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
+    log, _ = rich_log(str(tmp_path / "log"))
+    assert materialize(log) == log.head
+    a = export_live(log, tmp_path / "state.out", format=fmt, source="state")
+    cold = pdm.open_log(str(tmp_path / "log"))  # a fresh handle: nothing cached
+    b = export_live(cold, tmp_path / "log.out", format=fmt, source="log")
+    assert sha(tmp_path / "state.out") == sha(tmp_path / "log.out")
+    assert (a.source, b.source) == ("state", "log")
+    assert a.export_lsn == b.export_lsn == log.head
+    assert a.bytes == b.bytes == (tmp_path / "state.out").stat().st_size
+    records, reduced = {"jsonl": (10, 2), "parquet": (10, 2), "pairs": (3, 1)}[fmt]
+    assert (a.records, a.runs, a.reduced) == (records, 3 if fmt != "pairs" else 2, reduced)
+    assert (b.records, b.runs, b.reduced) == (a.records, a.runs, a.reduced)
+    # a smaller batch budget cuts other batches (and row groups) but the same records
+    c = export_live(log, tmp_path / "small.out", format=fmt, source="log", batch_size=64)
+    assert c.records == records
+    if fmt != "parquet":
+        assert sha(tmp_path / "small.out") == sha(tmp_path / "state.out")
+
+
+def test_live_trajectory_of_a_run_rewound_twice(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    log, info = rich_log(str(tmp_path / "log"))
+    rep = export_live(log, tmp_path / "a.jsonl", runs=["r-a"], source="log")
+    got = lines(tmp_path / "a.jsonl")
+    assert rep.records == len(got) == 6 and rep.runs == 1
+    assert [(m["metadata"]["branch_id"], m["metadata"]["step_id"],
+             m["metadata"]["step_index"], m["metadata"]["attempt_no"],
+             m["metadata"]["state"]) for m in got] == LIVE_A
+    by_branch = [m["metadata"]["branch_id"] for m in got]
+    assert (by_branch.count(0), by_branch.count(1), by_branch.count(2)) == (1, 2, 3)
+    # nothing of an abandoned branch at or after its fork point: branch 0 had 5
+    # attempts (4 at step_index >= 1), branch 1 had 4 (2 at step_index >= 2)
+    assert not [m for m in got if m["metadata"]["branch_id"] == 0
+                and m["metadata"]["step_index"] >= 1]
+    assert not [m for m in got if m["metadata"]["branch_id"] == 1
+                and m["metadata"]["step_index"] >= 2]
+    for m, (b, step, _i, no, _s) in zip(got, LIVE_A, strict=True):
+        assert m["messages"] == [
+            {"role": "user", "content": text("prompt", "r-a", b, step, no)},
+            {"role": "assistant", "content": text("output", "r-a", b, step, no)}]
+        assert m["metadata"]["export_lsn"] == log.head
+        assert m["metadata"]["tenant"] == T and m["metadata"]["workflow_version"] == "wf-1"
+        # only the verdicts on the live branch graded this trajectory
+        assert m["metadata"]["verdicts"] == [
+            {"verifier": "judge@1", "passed": True, "score": 0.75,
+             "snapshot_lsn": info["snap2"]},
+            {"verifier": "lint@2", "passed": True, "score": None,
+             "snapshot_lsn": info["snap2"]}]
+    assert got[0]["metadata"]["usage"] == {
+        "input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": None,
+        "reasoning_tokens": None, "cost_usd": "0.000015000", "latency_ms": None}
+    assert got[1]["metadata"]["usage"]["cost_usd"] == "0.500000000"
+
+    export_live(log, tmp_path / "a.parquet", format="parquet", runs=["r-a"])
+    rows = pq.read_table(tmp_path / "a.parquet").to_pylist()
+    assert [(r["branch_id"], r["step_id"], r["step_index"], r["attempt_no"], r["state"])
+            for r in rows] == LIVE_A
+    assert rows[1]["cost_usd"] == Decimal("0.5") and rows[1]["input_tokens"] is None
+
+    pairs = export_live(log, tmp_path / "p.jsonl", format="pairs", runs=["r-a"])
+    got_pairs = lines(tmp_path / "p.jsonl")
+    assert pairs.records == 2
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in got_pairs] == [
+        (text("prompt", "r-a", 1, "code", 1), text("output", "r-a", 1, "code", 2),
+         text("output", "r-a", 1, "code", 1)),
+        (text("prompt", "r-a", 2, "test", 1), text("output", "r-a", 2, "test", 2),
+         text("output", "r-a", 2, "test", 1))]
+    assert [(p["metadata"]["rejected_branch_id"], p["metadata"]["rejected_attempt_no"],
+             p["metadata"]["chosen_branch_id"], p["metadata"]["chosen_attempt_no"])
+            for p in got_pairs] == [(1, 1, 1, 2), (2, 1, 2, 2)]
+
+    # the whole log: runs by run_id, the cancel's dispatched attempt kept with a null
+    # output, the reduced prompt exported as its summary and flagged
+    export_live(log, tmp_path / "all.jsonl")
+    every = lines(tmp_path / "all.jsonl")
+    assert [m["metadata"]["run_id"] for m in every] == ["r-a"] * 6 + ["r-b"] * 2 + ["r-c"] * 2
+    b = every[6:8]
+    assert [(m["metadata"]["step_id"], m["metadata"]["state"]) for m in b] == [
+        ("plan", "succeeded"), ("code", "dispatched")]
+    assert b[1]["messages"][1] == {"role": "assistant", "content": None}
+    c = every[8:]
+    assert [m["messages"][0]["content"] for m in c] == ["summary: a long question"] * 2
+    assert [(m["metadata"]["prompt_reduced"], m["metadata"]["output_reduced"])
+            for m in c] == [(True, False), (True, False)]
+    assert [m["messages"][1]["content"] for m in c] == [
+        "half an answ", text("output", "r-c", 0, "ask", 2)]
+    only = export_live(log, tmp_path / "ok.jsonl", only_succeeded=True)
+    assert only.records == 6  # r-a: plan, code#2, test#2, ship; r-b: plan; r-c: ask#2
+    assert {m["metadata"]["state"] for m in lines(tmp_path / "ok.jsonl")} == {"succeeded"}
+
+
+def test_parquet_loads_in_pyarrow_polars_duckdb_and_datasets(tmp_path: Path) -> None:
+    import datasets
+    import duckdb
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    log, _ = rich_log(str(tmp_path / "log"))
+    path = tmp_path / "live.parquet"
+    rep = export_live(log, path, format="parquet")
+    export_live(log, tmp_path / "live.jsonl")
+    chat = lines(tmp_path / "live.jsonl")
+    expect_prompts = [m["messages"][0]["content"] for m in chat]
+    expect_outputs = [m["messages"][1]["content"] for m in chat]
+
+    t = pq.read_table(path)
+    df = pl.read_parquet(path)
+    con = duckdb.connect()
+    duck = con.execute("SELECT prompt, output FROM read_parquet(?)", [str(path)]).fetchall()
+    hf = datasets.load_dataset("parquet", data_files=str(path), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    assert rep.records == t.num_rows == df.height == len(duck) == hf.num_rows == 10
+    for prompts, outputs in [
+        (t.column("prompt").to_pylist(), t.column("output").to_pylist()),
+        (df["prompt"].to_list(), df["output"].to_list()),
+        ([r[0] for r in duck], [r[1] for r in duck]),
+        (hf["prompt"], hf["output"]),
+    ]:
+        assert prompts == expect_prompts
+        assert outputs == expect_outputs
+    assert None in expect_outputs  # the cancelled run's dispatched attempt
+    assert df["cost_usd"].sum() == Decimal("0.501215")
+    assert hf[0]["verdicts"][0] == {"verifier": "judge@1", "passed": True, "score": 0.75,
+                                    "snapshot_lsn": t.column("verdicts")[0][0]["snapshot_lsn"]
+                                    .as_py()}
+
+
+def big_log(root: str, attempts: int, body_bytes: int) -> tuple[pdm.EventLog, int]:
+    """One run with ``attempts`` retries of one step, each with a distinct prompt and output
+    of ``body_bytes`` ASCII bytes. Returns the log and the bytes of all bodies."""
+    log = pdm.open_log(root)
+    Recorder(log).commit(ev.RunStarted(T, "big", "wf-1"))
+    half = body_bytes // 2
+    for no in range(1, attempts + 1):
+        with log.transaction() as tx:
+            p = tx.put_blob(T, os.urandom(half).hex().encode())
+            o = tx.put_blob(T, os.urandom(half).hex().encode())
+            tx.append(ev.AttemptDispatched(T, "big", 0, "solve", 0, no, prompt=p))
+            tx.append(ev.AttemptFinished(T, "big", 0, "solve", no,
+                                         "succeeded" if no == attempts else "failed", output=o))
+    return log, attempts * 2 * body_bytes
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_peak_memory_is_bounded_by_the_batch_budget(tmp_path: Path, fmt: str) -> None:
+    budget = 2 << 20
+    log, total = big_log(str(tmp_path / "log"), attempts=48, body_bytes=256 << 10)
+    assert total >= 10 * budget
+    log.read_events()  # segments cached before measuring: only the export is measured
+    tracemalloc.start()
+    try:
+        rep = export_live(log, tmp_path / "out", format=fmt, batch_size=budget,
+                          max_workers=4)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert rep.records == 48
+    # two batches in flight (one being written, one being fetched) plus fixed overhead;
+    # the bodies total 12 budgets
+    assert peak < 3 * budget + (1 << 20), f"peak {peak} bytes"
+    assert peak < total / 3
+
+
+@pytest.mark.parametrize("backend", ["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def test_a_failed_export_leaves_no_partial_file(tmp_path: Path, backend: str,
+                                                request: pytest.FixtureRequest) -> None:
+    import fsspec
+
+    log, _ = big_log(str(tmp_path / "log"), attempts=20, body_bytes=8 << 10)
+    opts = None
+    if backend == "local":
+        folder = str(tmp_path / "out")
+    elif backend == "memory":
+        folder = f"memory://export-{uuid.uuid4().hex}"
+    else:
+        opts = request.getfixturevalue("s3").storage_options
+        folder = f"s3://poimen-test/{uuid.uuid4().hex}"
+    fs, base = fsspec.core.url_to_fs(folder, **(opts or {}))
+    dest = f"{folder}/live.jsonl"
+    first = export_live(log, dest, storage_options=opts)
+    assert first.records == 20
+    published = fs.cat_file(f"{base}/live.jsonl")
+    assert len(published) == first.bytes and published.count(b"\n") == 20
+
+    # the body of the last attempt's output disappears from under the log
+    last = log.read_events().to_pylist()[-1]["output"]
+    os.unlink(tmp_path / "log" / "blobs" / T / last["sha256"][:2] / last["sha256"])
+    seen: list[ExportProgress] = []
+    with pytest.raises(pdm.NotFound):
+        export_live(log, dest, storage_options=opts, batch_size=16 << 10,
+                    progress=seen.append)
+    assert seen and seen[-1].records >= 10  # batches were written before the failure
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{base}/live.jsonl") == published
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)] == ["live.jsonl"]
+
+
+@pytest.mark.slow
+def test_export_throughput_is_at_least_half_of_raw_parallel_reads(tmp_path: Path) -> None:
+    log, total = big_log(str(tmp_path / "log"), attempts=200, body_bytes=256 << 10)
+    root = tmp_path / "log" / "blobs"
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) == total
+
+    def read(p: Path) -> int:
+        with open(p, "rb") as f:
+            return len(f.read())
+
+    def raw() -> float:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(read, files)) == total
+        return time.perf_counter() - t0
+
+    raw()  # the same warm page cache for both
+    raw_s = min(raw() for _ in range(3))
+    export_s = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        export_live(log, tmp_path / f"out{i}.jsonl", max_workers=8)
+        export_s.append(time.perf_counter() - t0)
+    ratio = raw_s / min(export_s)
+    print(f"raw reads {total / raw_s / 1e6:.0f} MB/s, export {total / min(export_s) / 1e6:.0f}"
+          f" MB/s, ratio {ratio:.2f}")
+    assert ratio >= 0.5
