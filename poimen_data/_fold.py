@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import events as ev
 from ._log import EventLog, open_log
@@ -30,7 +32,8 @@ TABLE_KEYS: dict[str, tuple[str, ...]] = {
     "attempts": ("run_id", "branch_id", "step_index NULLS LAST", "attempt_no", "step_id"),
     "branches": ("run_id", "branch_id"),
     "runs": ("run_id",),
-    "trajectories": ("run_id", "trajectory_branch_id", "trajectory_pos"),
+    "trajectories": ("run_id", "trajectory_branch_id", "branch_id", "step_index NULLS LAST",
+                     "attempt_no", "step_id"),
     "verdicts": ("run_id", "lsn"),
     "reductions": ("lsn",),
     "anomalies": ("run_id", "lsn", "reason"),
@@ -149,11 +152,13 @@ LEFT JOIN per_attempt a USING (run_id)
 _TRAJECTORIES = """
 -- trajectory(0) = branch 0's attempts; trajectory(b) = trajectory(parent(b)) restricted
 -- to step_index < fork_step_index(b), then b's own attempts. Walking up from b, an
--- ancestor's attempts are kept below the smallest fork point met on the way.
-WITH RECURSIVE chain(run_id, trajectory_branch_id, branch_id, depth, step_limit) AS (
-    SELECT run_id, branch_id, branch_id, 0, NULL::BIGINT FROM branches
+-- ancestor's attempts are kept below the smallest fork point met on the way. A parent's
+-- branch_id is always lower than its child's, so ordering by the recording branch_id
+-- puts inherited attempts first, then by step_index (never by LSN).
+WITH RECURSIVE chain(run_id, trajectory_branch_id, branch_id, step_limit) AS (
+    SELECT run_id, branch_id, branch_id, NULL::BIGINT FROM branches
     UNION ALL
-    SELECT c.run_id, c.trajectory_branch_id, b.parent_branch_id, c.depth + 1,
+    SELECT c.run_id, c.trajectory_branch_id, b.parent_branch_id,
            least(coalesce(c.step_limit, b.fork_step_index), b.fork_step_index)
     FROM chain c
     JOIN branches b ON b.run_id = c.run_id AND b.branch_id = c.branch_id
@@ -163,10 +168,7 @@ SELECT a.run_id, a.tenant, a.branch_id, a.step_id, a.step_index, a.attempt_no, a
        a.workflow_version, a.context, a.prompt, a.output, a.tools, a.usage, a.error,
        a.recovered, a.first_lsn, a.last_lsn,
        c.trajectory_branch_id,
-       t.is_live,
-       row_number() OVER (PARTITION BY c.run_id, c.trajectory_branch_id
-                          ORDER BY c.depth DESC, a.step_index NULLS LAST, a.attempt_no,
-                                   a.step_id) AS trajectory_pos
+       t.is_live
 FROM chain c
 JOIN attempts a ON a.run_id = c.run_id AND a.branch_id = c.branch_id
 JOIN branches t ON t.run_id = c.run_id AND t.branch_id = c.trajectory_branch_id
@@ -277,7 +279,7 @@ def new_connection(events: pa.Table) -> duckdb.DuckDBPyConnection:
 
 
 def create_fold_tables(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = VIEWS) -> None:
-    """Run the fold texts into temporary tables of ``con`` (whose ``events`` is set).
+    """Run the fold texts into tables registered in ``con`` (whose ``events`` is set).
 
     Each text runs once and later texts read its table, so ``attempts`` is folded once
     even though ``runs`` and ``trajectories`` build on it.
@@ -286,8 +288,8 @@ def create_fold_tables(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = 
     if needed & {"runs", "trajectories"}:
         needed |= {"attempts", "branches"}
     for name, sql in VIEW_SQL.items():
-        if name in needed:
-            con.execute(f"CREATE TEMP TABLE {name} AS {sql}")
+        if name in needed:  # an Arrow result registered back is cheaper than a TEMP TABLE
+            con.register(name, con.sql(sql).to_arrow_table())
 
 
 def fold_tables(events: pa.Table, names: tuple[str, ...] = VIEWS) -> dict[str, pa.Table]:
@@ -298,6 +300,14 @@ def fold_tables(events: pa.Table, names: tuple[str, ...] = VIEWS) -> dict[str, p
         return {name: con.sql(f"SELECT * FROM {name}").to_arrow_table() for name in names}
     finally:
         con.close()
+
+
+def run_events(log: EventLog, run_ids: Sequence[str], *, at_lsn: int,
+               min_lsn: int = 1) -> pa.Table:
+    """The events of some runs up to ``at_lsn`` (``min_lsn`` bounds what is read)."""
+    events = log.read_events(at_lsn, min_lsn)
+    return events.filter(pc.is_in(events.column("run_id"), pa.array(list(run_ids),
+                                                                     pa.string())))
 
 
 def _as_log(root_or_log: Any, storage_options: dict[str, Any] | None) -> EventLog:
@@ -346,4 +356,4 @@ def view_sql(name: str) -> str:
 
 
 __all__ = ["FOLD_VERSION", "TABLE_KEYS", "VIEWS", "VIEW_SQL", "connect", "create_fold_tables",
-           "fold_tables", "view_sql"]
+           "fold_tables", "run_events", "view_sql"]

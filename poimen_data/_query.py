@@ -9,7 +9,7 @@ materialized state and one from a cold re-fold can be compared byte for byte.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -18,9 +18,10 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ._fold import _as_log, fold_tables
+from ._fold import _as_log, fold_tables, run_events
 from ._log import EventLog
-from .errors import NotFound, ValidationError
+from ._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
+from .errors import CorruptionError, NotFound, ValidationError
 from .events import COST_QUANTUM, BlobRef, ContextPartition, ToolInfo, Usage
 
 SOURCES = ("auto", "state", "log")
@@ -175,20 +176,65 @@ def one_episode(tables: Mapping[str, pa.Table], run_id: str, *, at_lsn: int,
     raise NotFound(f"no run {run_id!r} in the log at lsn {at_lsn}")
 
 
-def run_events(log: EventLog, run_ids: Sequence[str], *, at_lsn: int,
-               min_lsn: int = 1) -> pa.Table:
-    """The events of some runs up to ``at_lsn`` (``min_lsn`` bounds what is read)."""
-    events = log.read_events(at_lsn, min_lsn)
-    return events.filter(pc.is_in(events.column("run_id"), pa.array(list(run_ids),
-                                                                     pa.string())))
-
-
 def fold_episode(log: EventLog, run_id: str, *, at_lsn: int, all_branches: bool,
                  min_lsn: int = 1) -> EpisodeView:
     """Fold one run from the log (its events only: every fold rule is per run)."""
     tables = fold_tables(run_events(log, [run_id], at_lsn=at_lsn, min_lsn=min_lsn),
                          EPISODE_TABLES)
     return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
+
+
+# --- serving from the materialized state -------------------------------------------
+
+
+def _locate(log: EventLog, ptr: Pointer, run_id: str) -> tuple[int, int] | None:
+    """(chunk, first_lsn) of a run in the state, found through the run index."""
+    for f in ptr.tables.get(INDEX, ()):
+        rows = read_run(log, f, run_id)
+        if rows.num_rows:
+            return rows.column("chunk")[0].as_py(), rows.column("first_lsn")[0].as_py()
+    return None
+
+
+def _serve(log: EventLog, ptr: Pointer, run_id: str, *, at_lsn: int,
+           all_branches: bool) -> EpisodeView:
+    where = _locate(log, ptr, run_id)
+    if where is None:
+        raise NotFound(f"no run {run_id!r} in the log at lsn {at_lsn}")
+    tables = {}
+    for t in EPISODE_TABLES:
+        f = next((f for f in ptr.tables[t] if f.chunk == where[0]), None)
+        tables[t] = read_run(log, f, run_id) if f else table_schemas()[t].empty_table()
+    return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
+
+
+def episode_from_state(log: EventLog, run_id: str, *, at_lsn: int,
+                       all_branches: bool) -> EpisodeView:
+    ptr = usable_pointer(log)
+    if ptr is None:
+        raise NotFound(f"no materialized state of this fold version in {log.root}")
+    if ptr.lsn != at_lsn:
+        raise NotFound(f"the materialized state covers lsn {ptr.lsn}, not {at_lsn}")
+    return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
+
+
+def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,
+                 all_branches: bool) -> EpisodeView:
+    """Serve from the state; fold the run again when later commits touched it."""
+    ptr = usable_pointer(log)
+    if ptr is None or ptr.lsn > at_lsn:
+        return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
+    try:
+        if ptr.lsn < at_lsn:
+            newer = log.read_events(at_lsn, ptr.lsn + 1).column("run_id")
+            if pc.any(pc.equal(newer, run_id)).as_py():
+                where = _locate(log, ptr, run_id)
+                lo = where[1] if where is not None else ptr.lsn + 1
+                return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches,
+                                    min_lsn=lo)
+        return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
+    except CorruptionError:
+        return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
 
 
 def resolve_lsn(log: EventLog, at_lsn: int | None) -> int:
@@ -222,11 +268,9 @@ def episode(
     lsn = resolve_lsn(log, at_lsn)
     if source == "log":
         return fold_episode(log, run_id, at_lsn=lsn, all_branches=all_branches)
-    from . import _state  # _state builds on this module
-
     if source == "state":
-        return _state.episode_from_state(log, run_id, at_lsn=lsn, all_branches=all_branches)
-    return _state.episode_auto(log, run_id, at_lsn=lsn, all_branches=all_branches)
+        return episode_from_state(log, run_id, at_lsn=lsn, all_branches=all_branches)
+    return episode_auto(log, run_id, at_lsn=lsn, all_branches=all_branches)
 
 
 __all__ = ["AttemptView", "BranchView", "EpisodeView", "episode", "episodes_from_tables"]

@@ -35,11 +35,11 @@ from ._fold import (
     create_fold_tables,
     fold_tables,
     new_connection,
+    run_events,
 )
 from ._log import EventLog, crash_point
 from ._manifest import FORMAT_NAME, FORMAT_VERSION, dumps, loads
-from ._query import EPISODE_TABLES, EpisodeView, fold_episode, one_episode, run_events
-from .errors import CorruptionError, NotFound
+from .errors import CorruptionError
 
 POINTER = "state/_current.json"
 INDEX = "run_index"
@@ -56,16 +56,21 @@ PARQUET_OPTIONS: dict[str, Any] = {
     "write_page_checksum": True,
     "data_page_size": 1 << 20,
 }
-#: Everything besides the data that decides the bytes; a state made under other settings
-#: is rebuilt, never served.
-SETTINGS: dict[str, Any] = {
-    "runs_per_chunk": RUNS_PER_CHUNK,
-    "reductions_per_chunk": REDUCTIONS_PER_CHUNK,
-    "row_group_size": ROW_GROUP_SIZE,
-    "parquet": PARQUET_OPTIONS,
-    "pyarrow": pa.__version__,
-    "duckdb": duckdb.__version__,
-}
+
+
+def current_settings() -> dict[str, Any]:
+    """Everything besides the data that decides the bytes of a state; a state made under
+    other settings is rebuilt, never served. Read at call time (tests shrink chunks)."""
+    return {
+        "runs_per_chunk": RUNS_PER_CHUNK,
+        "reductions_per_chunk": REDUCTIONS_PER_CHUNK,
+        "row_group_size": ROW_GROUP_SIZE,
+        "parquet": PARQUET_OPTIONS,
+        "pyarrow": pa.__version__,
+        "duckdb": duckdb.__version__,
+    }
+
+
 STATE_TABLES = (*VIEWS, INDEX)
 
 
@@ -94,7 +99,7 @@ class Pointer:
 
     @property
     def usable(self) -> bool:
-        return self.fold_version == FOLD_VERSION and self.settings == SETTINGS
+        return self.fold_version == FOLD_VERSION and self.settings == current_settings()
 
     def files(self) -> set[str]:
         return {f.path for entries in self.tables.values() for f in entries}
@@ -125,7 +130,7 @@ def read_pointer(log: EventLog) -> Pointer | None:
         raise CorruptionError(f"{log.storage.url_of(POINTER)}: not a state pointer") from None
 
 
-def _usable_pointer(log: EventLog) -> Pointer | None:
+def usable_pointer(log: EventLog) -> Pointer | None:
     try:
         ptr = read_pointer(log)
     except CorruptionError:
@@ -146,7 +151,7 @@ def table_schemas() -> dict[str, pa.Schema]:
 
 
 def parquet_bytes(table: pa.Table) -> bytes:
-    """The canonical parquet bytes of a sorted table (settings pinned in ``SETTINGS``)."""
+    """The canonical parquet bytes of a sorted table (settings pinned in ``current_settings()``)."""
     sink = io.BytesIO()
     pq.write_table(table.combine_chunks(), sink, row_group_size=ROW_GROUP_SIZE,
                    **PARQUET_OPTIONS)
@@ -173,7 +178,7 @@ def _split(table: str, sorted_: pa.Table, out: dict[str, bytes]) -> dict[int, Fi
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)}
 
 
-def _read_file(log: EventLog, f: FileEntry) -> pa.Table:
+def read_file(log: EventLog, f: FileEntry) -> pa.Table:
     """A whole state file, checked against the sha256 the pointer lists."""
     data = log.storage.read_or_none(f.path)
     name = log.storage.url_of(f.path)
@@ -184,7 +189,7 @@ def _read_file(log: EventLog, f: FileEntry) -> pa.Table:
     return pq.read_table(pa.py_buffer(data))
 
 
-def _read_run(log: EventLog, f: FileEntry, run_id: str) -> pa.Table:
+def read_run(log: EventLog, f: FileEntry, run_id: str) -> pa.Table:
     """The rows of one run from a file sorted by run_id: only the row groups whose
     statistics can hold it are read, and their pages are checked by CRC."""
     st = log.storage
@@ -258,7 +263,7 @@ def _build_incremental(log: EventLog, ptr: Pointer, lsn: int) -> _Build:
     b = _Build({t: {f.chunk: f for f in ptr.tables.get(t, ())} for t in STATE_TABLES})
     new = log.read_events(lsn, ptr.lsn + 1)
     touched = pc.unique(new.column("run_id").drop_null())
-    old_index = _concat([_read_file(log, f) for f in ptr.tables.get(INDEX, ())],
+    old_index = _concat([read_file(log, f) for f in ptr.tables.get(INDEX, ())],
                         table_schemas()[INDEX])
     is_touched = pc.is_in(old_index.column("run_id"), touched)
     old_touched = old_index.filter(is_touched)
@@ -283,7 +288,7 @@ def _build_incremental(log: EventLog, ptr: Pointer, lsn: int) -> _Build:
             UNION ALL SELECT * FROM _new_index""")
         for t in PER_RUN_TABLES:
             schema = table_schemas()[t]
-            olds = [_read_file(log, b.tables[t][c]) for c in chunks if c in b.tables[t]]
+            olds = [read_file(log, b.tables[t][c]) for c in chunks if c in b.tables[t]]
             old = _concat(olds, schema)
             con.register("_old", old.filter(pc.invert(pc.is_in(old.column("run_id"),
                                                                 touched))))
@@ -312,7 +317,7 @@ def _merge_reductions(log: EventLog, b: _Build, new: pa.Table) -> None:
     red = red.add_column(0, "_chunk", pa.array(ords, pa.int64()))
     first = int(ords[0])
     if first in have:  # the last chunk is not full yet: append to it
-        old = _read_file(log, have.pop(first)).cast(table_schemas()["reductions"])
+        old = read_file(log, have.pop(first)).cast(table_schemas()["reductions"])
         old = old.add_column(0, "_chunk", pa.array([first] * old.num_rows, pa.int64()))
         red = pa.concat_tables([old, red.cast(old.schema)])
     have.update(_split("reductions", red, b.data))
@@ -325,13 +330,13 @@ def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None) -> Pointer
     have = old.files() if old is not None else set()
     tables = {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.chunk))
               for t in STATE_TABLES}
-    ptr = Pointer(lsn, log.seq_of_lsn(lsn), FOLD_VERSION, SETTINGS, tables,
+    ptr = Pointer(lsn, log.seq_of_lsn(lsn), FOLD_VERSION, current_settings(), tables,
                   tuple(sorted(have)))
     for path, data in sorted(b.data.items()):
         if path in ptr.files() and path not in have:
             log.storage.write(path, data)
     crash_point("state_written")
-    current = _usable_pointer(log)
+    current = usable_pointer(log)
     if current is not None and current.lsn >= lsn and old is not None \
             and current.lsn != old.lsn:
         return current  # a concurrent materialize published a newer state meanwhile
@@ -370,57 +375,92 @@ def materialize(log: EventLog | str, *, full: bool = False) -> int:
     return lsn
 
 
-# --- serving episodes -----------------------------------------------------------------
+# --- check ---------------------------------------------------------------------------
 
 
-def _locate(log: EventLog, ptr: Pointer, run_id: str) -> tuple[int, int] | None:
-    """(chunk, first_lsn) of a run in the state, found through the run index."""
-    for f in ptr.tables.get(INDEX, ()):
-        rows = _read_run(log, f, run_id)
-        if rows.num_rows:
-            return rows.column("chunk")[0].as_py(), rows.column("first_lsn")[0].as_py()
-    return None
+@dataclass(frozen=True)
+class CheckReport:
+    """What ``check`` found: ``ok`` when every file and every episode of the state equals
+    a cold re-fold of the log at the state's LSN."""
+
+    ok: bool
+    lsn: int | None
+    files: int
+    episodes: int
+    first_difference: str | None
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (f"state at lsn {self.lsn} equals a cold re-fold: {self.files} files, "
+                    f"{self.episodes} episodes")
+        return f"state differs from a cold re-fold: {self.first_difference}"
 
 
-def _serve(log: EventLog, ptr: Pointer, run_id: str, *, at_lsn: int,
-           all_branches: bool) -> EpisodeView:
-    where = _locate(log, ptr, run_id)
-    if where is None:
-        raise NotFound(f"no run {run_id!r} in the log at lsn {at_lsn}")
-    tables = {}
-    for t in EPISODE_TABLES:
-        f = next((f for f in ptr.tables[t] if f.chunk == where[0]), None)
-        tables[t] = _read_run(log, f, run_id) if f else table_schemas()[t].empty_table()
-    return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
+def _first_row_difference(a: pa.Table, b: pa.Table) -> str:
+    for i, (x, y) in enumerate(zip(a.to_pylist(), b.to_pylist(), strict=False)):
+        if x != y:
+            cols = [k for k in x if x[k] != y.get(k)]
+            return f"row {i} differs in {cols}: state {x} != re-fold {y}"
+    return f"state has {a.num_rows} rows, re-fold {b.num_rows}"
 
 
-def episode_from_state(log: EventLog, run_id: str, *, at_lsn: int,
-                       all_branches: bool) -> EpisodeView:
-    ptr = _usable_pointer(log)
-    if ptr is None:
-        raise NotFound(f"no materialized state of this fold version in {log.root}")
-    if ptr.lsn != at_lsn:
-        raise NotFound(f"the materialized state covers lsn {ptr.lsn}, not {at_lsn}")
-    return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
+def _episode_digests(tables_by_chunk: dict[int, dict[str, pa.Table]],
+                     lsn: int) -> dict[str, str]:
+    from ._query import episodes_from_tables  # _query builds on this module
+
+    out = {}
+    for tables in tables_by_chunk.values():
+        for view in episodes_from_tables(tables, at_lsn=lsn):
+            out[view.run_id] = hashlib.sha256(view.serialize()).hexdigest()
+    return out
 
 
-def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,
-                 all_branches: bool) -> EpisodeView:
-    """Serve from the state; fold the run again when later commits touched it."""
-    ptr = _usable_pointer(log)
-    if ptr is None or ptr.lsn > at_lsn:
-        return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
+def check(log: EventLog | str, *, episodes: bool = True) -> CheckReport:
+    """Re-fold the log at the state's LSN, cold, and compare every file (by sha256, then
+    row by row to name the first difference) and every episode (by digest)."""
+    log = _as_log(log, None)
     try:
-        if ptr.lsn < at_lsn:
-            newer = log.read_events(at_lsn, ptr.lsn + 1).column("run_id")
-            if pc.any(pc.equal(newer, run_id)).as_py():
-                where = _locate(log, ptr, run_id)
-                lo = where[1] if where is not None else ptr.lsn + 1
-                return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches,
-                                    min_lsn=lo)
-        return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
-    except CorruptionError:
-        return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
+        ptr = read_pointer(log)
+    except CorruptionError as exc:
+        return CheckReport(False, None, 0, 0, str(exc))
+    if ptr is None:
+        return CheckReport(False, None, 0, 0, f"no materialized state in {log.root}")
+    if not ptr.usable:
+        return CheckReport(False, ptr.lsn, 0, 0, f"state made by fold {ptr.fold_version} "
+                           f"with other settings or fold (this is fold {FOLD_VERSION})")
+    cold = _build_full(log, ptr.lsn)
+    n = 0
+    mine: dict[int, dict[str, pa.Table]] = {}
+    theirs: dict[int, dict[str, pa.Table]] = {}
+    for t in STATE_TABLES:
+        want = {f.chunk: f for f in ptr.tables.get(t, ())}
+        got = cold.tables.get(t, {})
+        for c in sorted(set(want) | set(got)):
+            if c not in got or c not in want:
+                where = "state" if c in want else "re-fold"
+                return CheckReport(False, ptr.lsn, n, 0,
+                                   f"table {t} chunk {c}: only the {where} has it")
+            try:
+                a = read_file(log, want[c])
+            except CorruptionError as exc:
+                return CheckReport(False, ptr.lsn, n, 0, str(exc))
+            b = pq.read_table(pa.py_buffer(cold.data[got[c].path]))
+            n += 1
+            if want[c].sha256 != got[c].sha256:
+                return CheckReport(False, ptr.lsn, n, 0, f"table {t} chunk {c} "
+                                   f"({want[c].path}): {_first_row_difference(a, b)}")
+            if t in ("runs", "branches", "attempts"):
+                mine.setdefault(c, {})[t] = a
+                theirs.setdefault(c, {})[t] = b
+    n_episodes = 0
+    if episodes:
+        a_dig, b_dig = _episode_digests(mine, ptr.lsn), _episode_digests(theirs, ptr.lsn)
+        for run_id in sorted(set(a_dig) | set(b_dig)):
+            if a_dig.get(run_id) != b_dig.get(run_id):
+                return CheckReport(False, ptr.lsn, n, n_episodes,
+                                   f"episode {run_id!r}: state and re-fold serialize "
+                                   "differently")
+            n_episodes += 1
+    return CheckReport(True, ptr.lsn, n, n_episodes, None)
 
-
-__all__ = ["POINTER", "Pointer", "materialize", "read_pointer"]
+__all__ = ["POINTER", "CheckReport", "Pointer", "check", "materialize", "read_pointer"]
