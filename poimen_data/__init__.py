@@ -13,7 +13,7 @@ from ._grade import GradeReport, Verdict, VerifierCtx, grade
 from ._log import CommitInfo, EventLog, Transaction, open_log
 from ._maint import compact, reduce, vacuum
 from ._query import AttemptView, BranchView, EpisodeView, episode
-from ._state import materialize
+from ._state import check, materialize
 from .errors import (
     CommitConflict,
     CorruptionError,
@@ -48,6 +48,7 @@ __all__ = [
     "ValidationError",
     "Verdict",
     "VerifierCtx",
+    "check",
     "compact",
     "connect",
     "episode",
