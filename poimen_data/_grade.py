@@ -3,19 +3,16 @@
 A run is graded at its latest ``verifying_entered`` LSN. The snapshot is an owned
 ``EpisodeView`` of every branch at that LSN, so a rewind, a cancel or a recovery that
 commits while a verifier runs cannot reach it. Snapshots are built in bulk (one fold for
-a whole batch of runs, see ``_snapshot``), because one fold per run is what would make
+a whole chunk of runs, see ``_grade_exec``), because one fold per run is what would make
 grading slow. Verifiers run on a thread pool, or on Dask workers that open the log
 themselves; only the driver writes, committing verdicts in batches.
 """
 
 from __future__ import annotations
 
-import heapq
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +27,7 @@ if TYPE_CHECKING:
 Verifier = Callable[["VerifierCtx"], "Verdict"]
 DEFAULT_DEADLINE_S = 60.0
 DEFAULT_BATCH = 1_000
+DEFAULT_CHUNK = 5_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,183 +174,6 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], runs: Iterable[str] | No
     return tasks, (asked if runs is not None else len(rows))
 
 
-# --- snapshots -------------------------------------------------------------------------
-
-
-def _snapshots(log: EventLog, tasks: Sequence[_Task]) -> dict[str, EpisodeView]:
-    """Every task's episode, all branches, each at its own snapshot LSN, from one fold.
-
-    Every fold rule looks at one run's events only, so folding the events of all these
-    runs, each cut at its own snapshot LSN, gives for each run exactly what a cold fold
-    of the log at that LSN gives (the barrier tests compare the bytes). One fold for the
-    batch instead of one per run is what makes grading fast.
-    """
-    if not tasks:
-        return {}
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from ._fold import fold_tables
-    from ._query import EPISODE_TABLES, EpisodeView, episodes_from_tables
-
-    cut = {t.run_id: t.snapshot_lsn for t in tasks}
-    events = log.read_events(at_lsn=max(cut.values()))
-    runs = pa.array(list(cut), pa.string())
-    slot = pc.index_in(events.column("run_id"), value_set=runs)
-    limit = pc.take(pa.array(list(cut.values()), pa.int64()), slot)
-    keep = pc.fill_null(pc.less_equal(events.column("lsn"), limit), False)
-    tables = fold_tables(events.filter(keep), EPISODE_TABLES)
-    out = {}
-    for v in episodes_from_tables(tables, at_lsn=0, all_branches=True):
-        out[v.run_id] = EpisodeView(v.run_id, v.tenant, v.workflow_version, v.state,
-                                    v.live_branch, cut[v.run_id], v.branches)
-    missing = set(cut) - set(out)
-    if missing:
-        raise NotFound(f"grade: no events for run {sorted(missing)[0]!r} at its snapshot")
-    return out
-
-
-# --- running verifiers under deadlines -------------------------------------------------
-
-
-def _call(v: Verifier, ctx: VerifierCtx) -> tuple[bool, float | None, str | None, bool]:
-    """Run one verifier; anything but a clean, in-time ``Verdict`` is an error verdict."""
-    try:
-        out = v(ctx)
-    except Exception as exc:  # a verifier's bug is a verdict, not the batch's end
-        return False, None, f"error: {type(exc).__name__}: {exc}", True
-    late = time.monotonic() - ctx.deadline
-    if late > 0:
-        return False, None, f"error: deadline passed ({late:.3f}s late)", True
-    if not isinstance(out, Verdict) or type(out.passed) is not bool:
-        return False, None, f"error: returned {out!r}, not a Verdict(passed: bool)", True
-    score = out.score
-    if score is not None:
-        if isinstance(score, bool) or not isinstance(score, int | float):
-            return False, None, f"error: score {score!r} is not a number", True
-        score = float(score)
-    detail = out.detail if out.detail is None else str(out.detail)
-    return out.passed, score, detail, False
-
-
-def _run_local(tasks: Sequence[_Task], snaps: dict[str, EpisodeView],
-               verifiers: Sequence[Verifier], blobs: BlobStore, deadline_s: float,
-               threads: int) -> Iterator[_Result]:
-    """Yield a result per (run, verifier) as it completes, on a pool of daemon threads.
-
-    A verifier past its deadline is answered with an error verdict at once and left
-    behind (a thread cannot be killed); a fresh thread takes its place so the pool keeps
-    its size. Daemon threads, so a verifier that never returns cannot block exit.
-    """
-    todo: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    items = [(t, i) for t in tasks for i in t.todo]
-
-    def work() -> None:
-        while True:
-            got = todo.get()
-            if got is None:
-                return
-            k, (t, i) = got
-            snap = snaps[t.run_id]
-            deadline = time.monotonic() + deadline_s
-            out.put((0, k, deadline))
-            ctx = VerifierCtx(t.run_id, None, None, snap, t.snapshot_lsn, blobs, deadline)
-            out.put((1, k, _call(verifiers[i], ctx)))
-
-    started = 0
-
-    def spawn() -> None:
-        nonlocal started
-        started += 1
-        threading.Thread(target=work, name="poimen-grade", daemon=True).start()
-
-    for _ in range(max(1, min(threads, len(items)))):
-        spawn()  # before the work is queued: a busy pool would slow each start
-    for k, item in enumerate(items):
-        todo.put((k, item))
-    running: list[tuple[float, int]] = []
-    resolved: set[int] = set()
-    try:
-        while len(resolved) < len(items):
-            timeout = max(0.0, running[0][0] - time.monotonic()) if running else None
-            try:
-                what, k, payload = out.get(timeout=timeout)
-            except queue.Empty:
-                now = time.monotonic()
-                while running and running[0][0] <= now:
-                    _dl, k = heapq.heappop(running)
-                    if k not in resolved:
-                        resolved.add(k)
-                        spawn()
-                        t, i = items[k]
-                        yield _result(t, i, snaps, (False, None, "error: deadline of "
-                                                    f"{deadline_s}s passed; abandoned", True))
-                continue
-            if what == 0:
-                heapq.heappush(running, (payload, k))
-            elif k not in resolved:
-                resolved.add(k)
-                t, i = items[k]
-                yield _result(t, i, snaps, payload)
-    finally:
-        while True:  # closed early: drop what no thread has taken yet
-            try:
-                todo.get_nowait()
-            except queue.Empty:
-                break
-        for _ in range(started):
-            todo.put(None)
-
-
-def _result(t: _Task, i: int, snaps: dict[str, EpisodeView],
-            r: tuple[bool, float | None, str | None, bool]) -> _Result:
-    return (t.run_id, i, int(snaps[t.run_id].live_branch), *r)
-
-
-# --- Dask ------------------------------------------------------------------------------
-
-
-def _is_dask_client(executor: Any) -> bool:
-    return any(c.__module__.startswith("distributed") and c.__name__ == "Client"
-               for c in type(executor).__mro__)
-
-
-def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[_Task],
-                 verifiers: Sequence[Verifier], deadline_s: float,
-                 threads: int) -> tuple[list[_Result], float]:
-    """Dask task: open the log read-only, build the chunk's snapshots here at their
-    snapshot LSNs (so no episode crosses the network), grade, return the results."""
-    from ._log import open_log
-
-    log = open_log(root, storage_options or None, create=False)
-    t0 = time.perf_counter()
-    snaps = _snapshots(log, tasks)
-    snap_s = time.perf_counter() - t0
-    return list(_run_local(tasks, snaps, verifiers, log.blobs, deadline_s, threads)), snap_s
-
-
-def _run_dask(client: Any, log: EventLog, tasks: Sequence[_Task],
-              verifiers: Sequence[Verifier], deadline_s: float, threads: int,
-              snap_s: list[float]) -> Iterator[_Result]:
-    """Yield results chunk by chunk as workers finish; the driver alone commits."""
-    from distributed import as_completed
-
-    n_workers = max(1, len(client.scheduler_info().get("workers", {})))
-    size = max(1, min(5_000, -(-len(tasks) // (2 * n_workers))))
-    futures = [client.submit(_grade_chunk, log.root, log.storage.storage_options,
-                             list(tasks[i:i + size]), list(verifiers), deadline_s, threads,
-                             pure=False)
-               for i in range(0, len(tasks), size)]
-    try:
-        for fut in as_completed(futures):
-            results, s = fut.result()
-            snap_s.append(s)
-            yield from results
-    finally:
-        client.cancel(futures)
-
-
 # --- recording verdicts ----------------------------------------------------------------
 
 
@@ -426,6 +247,7 @@ def grade(
     progress: Callable[[int, int], None] | None = None,
     batch_size: int = DEFAULT_BATCH,
     threads: int | None = None,
+    chunk_runs: int = DEFAULT_CHUNK,
 ) -> GradeReport:
     """Grade the runs in ``verifying`` at the head (or ``runs``) and record one verdict
     per (run, verifier) not yet graded at that snapshot LSN (all of them with ``force``).
@@ -433,9 +255,10 @@ def grade(
     ``executor``: None for a thread pool in this process (``threads`` wide), or a
     ``distributed.Client``; Dask workers read bodies through their own read-only log, so
     ``blobs`` (default ``log.blobs``) is for the in-process executor only. ``deadline_s``
-    bounds each verifier call; a verifier may set its own ``deadline_s`` attribute.
-    ``progress(done, total)`` counts (run, verifier) pairs. Verdicts are committed
-    ``batch_size`` per transaction as they arrive, so an interrupted job keeps its work.
+    bounds each verifier call (a verifier's own ``deadline_s`` attribute wins).
+    ``progress(done, total)`` counts (run, verifier) pairs. Snapshots are built
+    ``chunk_runs`` runs per fold. Verdicts are committed ``batch_size`` per transaction
+    as they arrive, so an interrupted job keeps the verdicts it made.
     """
     t0 = time.perf_counter()
     vs = [verifiers] if callable(verifiers) else list(verifiers)
@@ -448,12 +271,11 @@ def grade(
                                   "(no spaces, exactly one @)")
     if len(set(ids)) != len(ids):
         raise ValidationError(f"grade: two verifiers share an identity in {ids}")
-    limits = {getattr(v, "deadline_s", deadline_s) for v in vs}
-    if len(limits) > 1:
-        raise ValidationError("grade: verifiers with different deadline_s need separate calls")
-    limit = float(limits.pop())
-    if batch_size < 1:
-        raise ValidationError("grade: batch_size must be >= 1")
+    limits = [float(getattr(v, "deadline_s", deadline_s)) for v in vs]
+    if batch_size < 1 or chunk_runs < 1:
+        raise ValidationError("grade: batch_size and chunk_runs must be >= 1")
+    from ._grade_exec import _is_dask_client, _run_dask, _run_here
+
     n_threads = threads or min(8, (os.cpu_count() or 1) + 4)
     dask = executor is not None and _is_dask_client(executor)
     if executor is not None and not dask:
@@ -468,13 +290,10 @@ def grade(
     rec = _Recorder(log, ids, tasks, batch_size)
     snap_s: list[float] = []
     if dask:
-        results = _run_dask(executor, log, tasks, vs, limit, n_threads, snap_s)
+        results = _run_dask(executor, log, tasks, vs, limits, n_threads, chunk_runs, snap_s)
     else:
-        t1 = time.perf_counter()
-        snaps = _snapshots(log, tasks)
-        snap_s.append(time.perf_counter() - t1)
-        results = _run_local(tasks, snaps, vs, blobs if blobs is not None else log.blobs,
-                             limit, n_threads)
+        results = _run_here(log, tasks, vs, blobs if blobs is not None else log.blobs,
+                            limits, n_threads, chunk_runs, snap_s)
     total = sum(len(t.todo) for t in tasks)
     done = 0
     try:

@@ -112,7 +112,7 @@ def test_verdicts_are_committed_in_batches_one_transaction_each(log: pdm.EventLo
     for i in range(5):
         record_run(log, f"r{i}", OK)
     head = log.head
-    report = grade(log, [exit_code], batch_size=2)
+    report = grade(log, [exit_code], batch_size=2, chunk_runs=2)
     assert (report.verdicts_recorded, report.commits) == (5, 3)
     assert log.head == head + 5
     con = pdm.connect(log)
@@ -120,6 +120,7 @@ def test_verdicts_are_committed_in_batches_one_transaction_each(log: pdm.EventLo
                         "group by seq order by seq").fetchall()
     con.close()
     assert sizes == [(2,), (2,), (1,)]
+    assert sorted(r[0] for r in verdicts(log)) == [f"r{i}" for i in range(5)]
 
 
 def test_raising_and_late_verifiers_give_error_verdicts_and_the_batch_goes_on(
@@ -134,6 +135,8 @@ def test_raising_and_late_verifiers_give_error_verdicts_and_the_batch_goes_on(
     def hangs(ctx: VerifierCtx) -> Verdict:
         release.wait()  # parked until the test releases it, after grade has returned
         return Verdict(True)
+
+    hangs.deadline_s = 0.2  # type: ignore[attr-defined]  # its own deadline wins
 
     def late(ctx: VerifierCtx) -> Verdict:
         while time.monotonic() <= ctx.deadline:  # works past its deadline, then answers
@@ -156,7 +159,7 @@ def test_raising_and_late_verifiers_give_error_verdicts_and_the_batch_goes_on(
     rows = {(r[0], r[2]): r for r in verdicts(log)}
     assert rows["a", "boom@0"] == ("a", 0, "boom@0", a, False, None, "error: ValueError: kaput a")
     assert rows["b", "hangs@0"] == ("b", 0, "hangs@0", b, False, None,
-                                    "error: deadline of 0.3s passed; abandoned")
+                                    "error: deadline of 0.2s passed; abandoned")
     # late answers just after its deadline, when the driver gives up on it: either way
     # the verdict is a deadline error ("passed (...s late)" or "...; abandoned")
     for run in ("a", "b"):

@@ -1,0 +1,212 @@
+"""How grading runs: snapshots built in bulk, verifiers under deadlines, Dask workers.
+
+Split from ``_grade`` (which plans, records and reports) so each reads on its own. Both
+executors share ``_snapshots`` and ``_run_local``: a Dask task is the in-process path run
+on a worker against its own read-only handle on the log.
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._blobs import BlobStore
+from ._grade import Verdict, Verifier, VerifierCtx, _Result, _Task
+from .errors import NotFound
+
+if TYPE_CHECKING:
+    from ._log import EventLog
+    from ._query import EpisodeView
+
+
+# --- snapshots -------------------------------------------------------------------------
+
+
+def _snapshots(log: EventLog, tasks: Sequence[_Task]) -> dict[str, EpisodeView]:
+    """Every task's episode, all branches, each at its own snapshot LSN, from one fold.
+
+    Every fold rule looks at one run's events only, so folding the events of all these
+    runs, each cut at its own snapshot LSN, gives for each run exactly what a cold fold
+    of the log at that LSN gives (the barrier tests compare the bytes). One fold for the
+    batch instead of one per run is what makes grading fast.
+    """
+    if not tasks:
+        return {}
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ._fold import fold_tables
+    from ._query import EPISODE_TABLES, EpisodeView, episodes_from_tables
+
+    cut = {t.run_id: t.snapshot_lsn for t in tasks}
+    events = log.read_events(at_lsn=max(cut.values()))
+    runs = pa.array(list(cut), pa.string())
+    slot = pc.index_in(events.column("run_id"), value_set=runs)
+    limit = pc.take(pa.array(list(cut.values()), pa.int64()), slot)
+    keep = pc.fill_null(pc.less_equal(events.column("lsn"), limit), False)
+    tables = fold_tables(events.filter(keep), EPISODE_TABLES)
+    out = {}
+    for v in episodes_from_tables(tables, at_lsn=0, all_branches=True):
+        out[v.run_id] = EpisodeView(v.run_id, v.tenant, v.workflow_version, v.state,
+                                    v.live_branch, cut[v.run_id], v.branches)
+    missing = set(cut) - set(out)
+    if missing:
+        raise NotFound(f"grade: no events for run {sorted(missing)[0]!r} at its snapshot")
+    return out
+
+
+# --- running verifiers under deadlines -------------------------------------------------
+
+
+def _call(v: Verifier, ctx: VerifierCtx) -> tuple[bool, float | None, str | None, bool]:
+    """Run one verifier; anything but a clean, in-time ``Verdict`` is an error verdict."""
+    try:
+        out = v(ctx)
+    except Exception as exc:  # a verifier's bug is a verdict, not the batch's end
+        return False, None, f"error: {type(exc).__name__}: {exc}", True
+    late = time.monotonic() - ctx.deadline
+    if late > 0:
+        return False, None, f"error: deadline passed ({late:.3f}s late)", True
+    if not isinstance(out, Verdict) or type(out.passed) is not bool:
+        return False, None, f"error: returned {out!r}, not a Verdict(passed: bool)", True
+    score = out.score
+    if score is not None:
+        if isinstance(score, bool) or not isinstance(score, int | float):
+            return False, None, f"error: score {score!r} is not a number", True
+        score = float(score)
+    detail = out.detail if out.detail is None else str(out.detail)
+    return out.passed, score, detail, False
+
+
+def _run_local(tasks: Sequence[_Task], snaps: dict[str, EpisodeView],
+               verifiers: Sequence[Verifier], blobs: BlobStore, limits: Sequence[float],
+               threads: int) -> Iterator[_Result]:
+    """Yield a result per (run, verifier) as it completes, on a pool of daemon threads.
+
+    A verifier past its deadline is answered with an error verdict at once and left
+    behind (a thread cannot be killed); a fresh thread takes its place so the pool keeps
+    its size. Daemon threads, so a verifier that never returns cannot block exit.
+    """
+    todo: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    items = [(t, i) for t in tasks for i in t.todo]
+
+    def work() -> None:
+        while True:
+            got = todo.get()
+            if got is None:
+                return
+            k, (t, i) = got
+            snap = snaps[t.run_id]
+            deadline = time.monotonic() + limits[i]
+            out.put((0, k, deadline))
+            ctx = VerifierCtx(t.run_id, None, None, snap, t.snapshot_lsn, blobs, deadline)
+            out.put((1, k, _call(verifiers[i], ctx)))
+
+    started = 0
+
+    def spawn() -> None:
+        nonlocal started
+        started += 1
+        threading.Thread(target=work, name="poimen-grade", daemon=True).start()
+
+    for _ in range(max(1, min(threads, len(items)))):
+        spawn()  # before the work is queued: a busy pool would slow each start
+    for k, item in enumerate(items):
+        todo.put((k, item))
+    running: list[tuple[float, int]] = []
+    resolved: set[int] = set()
+    try:
+        while len(resolved) < len(items):
+            timeout = max(0.0, running[0][0] - time.monotonic()) if running else None
+            try:
+                what, k, payload = out.get(timeout=timeout)
+            except queue.Empty:
+                now = time.monotonic()
+                while running and running[0][0] <= now:
+                    _dl, k = heapq.heappop(running)
+                    if k not in resolved:
+                        resolved.add(k)
+                        spawn()
+                        t, i = items[k]
+                        yield _result(t, i, snaps, (False, None, "error: deadline of "
+                                                    f"{limits[i]}s passed; abandoned", True))
+                continue
+            if what == 0:
+                heapq.heappush(running, (payload, k))
+            elif k not in resolved:
+                resolved.add(k)
+                t, i = items[k]
+                yield _result(t, i, snaps, payload)
+    finally:
+        while True:  # closed early: drop what no thread has taken yet
+            try:
+                todo.get_nowait()
+            except queue.Empty:
+                break
+        for _ in range(started):
+            todo.put(None)
+
+
+def _result(t: _Task, i: int, snaps: dict[str, EpisodeView],
+            r: tuple[bool, float | None, str | None, bool]) -> _Result:
+    return (t.run_id, i, int(snaps[t.run_id].live_branch), *r)
+
+
+# --- Dask ------------------------------------------------------------------------------
+
+
+def _is_dask_client(executor: Any) -> bool:
+    return any(c.__module__.startswith("distributed") and c.__name__ == "Client"
+               for c in type(executor).__mro__)
+
+
+def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[_Task],
+                 verifiers: Sequence[Verifier], limits: Sequence[float],
+                 threads: int) -> tuple[list[_Result], float]:
+    """Dask task: open the log read-only, build the chunk's snapshots here at their
+    snapshot LSNs (so no episode crosses the network), grade, return the results."""
+    from ._log import open_log
+
+    log = open_log(root, storage_options or None, create=False)
+    t0 = time.perf_counter()
+    snaps = _snapshots(log, tasks)
+    snap_s = time.perf_counter() - t0
+    return list(_run_local(tasks, snaps, verifiers, log.blobs, limits, threads)), snap_s
+
+
+def _run_dask(client: Any, log: EventLog, tasks: Sequence[_Task],
+              verifiers: Sequence[Verifier], limits: Sequence[float], threads: int,
+              chunk: int, snap_s: list[float]) -> Iterator[_Result]:
+    """Yield results chunk by chunk as workers finish; the driver alone commits."""
+    from distributed import as_completed
+
+    n_workers = max(1, len(client.scheduler_info().get("workers", {})))
+    size = max(1, min(chunk, -(-len(tasks) // (2 * n_workers))))
+    futures = [client.submit(_grade_chunk, log.root, log.storage.storage_options,
+                             list(tasks[i:i + size]), list(verifiers), list(limits), threads,
+                             pure=False)
+               for i in range(0, len(tasks), size)]
+    try:
+        for fut in as_completed(futures):
+            results, s = fut.result()
+            snap_s.append(s)
+            yield from results
+    finally:
+        client.cancel(futures)
+
+
+def _run_here(log: EventLog, tasks: Sequence[_Task], verifiers: Sequence[Verifier],
+              blobs: BlobStore, limits: Sequence[float], threads: int, chunk: int,
+              snap_s: list[float]) -> Iterator[_Result]:
+    """In-process: ``chunk`` runs at a time, so memory holds one chunk of snapshots."""
+    for lo in range(0, len(tasks), chunk):
+        part = tasks[lo:lo + chunk]
+        t0 = time.perf_counter()
+        snaps = _snapshots(log, part)
+        snap_s.append(time.perf_counter() - t0)
+        yield from _run_local(part, snaps, verifiers, blobs, limits, threads)
