@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import stages as st
-from .nightly import summary_table
+from .nightly import summary_table, titled
 
 QUERIES = (
     ("Which steps fail most, by workflow version?",
@@ -67,7 +67,7 @@ def _files(log: Any) -> list[tuple[str, int, int]]:
 
 
 def _counts(title: str, counts: dict[str, int], key: str) -> Table:
-    t = Table(title=title)
+    t = titled(title)
     t.add_column(key)
     t.add_column("count", justify="right")
     for k, v in counts.items():
@@ -83,7 +83,7 @@ def failure_table(failure_by_step: dict[tuple[str, str], tuple[int, int]]) -> Ta
     for (wv, step), v in failure_by_step.items():
         wf, ver = wv.split("@")
         rows[(wf, step)][ver] = v
-    t = Table(title="Failure rate by step and workflow version (failed or timed out)")
+    t = titled("Failure rate by step and workflow version (failed or timed out)")
     t.add_column("workflow")
     t.add_column("step")
     for v in versions:
@@ -105,7 +105,7 @@ def _verdicts(log: Any) -> Table | None:
                        "from verdicts group by verifier order by verifier").fetchall()
     except Exception:  # the views may not be there yet: the stage table says why
         return None
-    t = Table(title="Verdicts (from the verdicts view)")
+    t = titled("Verdicts (from the verdicts view)")
     for c in ("verifier", "verdicts", "passed", "mean score"):
         t.add_column(c, justify="left" if c == "verifier" else "right")
     for r in rows:
@@ -179,7 +179,7 @@ def _report(out: Console, log: Any, s: Any, results: list[st.StageResult],
     v = _verdicts(log)
     if v is not None:
         out.print(v)
-    ft = Table(title=f"Files under {log.root}")
+    ft = titled(f"Files under {log.root}")
     ft.add_column("path")
     ft.add_column("files", justify="right")
     ft.add_column("bytes", justify="right")

@@ -23,8 +23,13 @@ from . import stages as st
 STYLE = {"ok": "green", "skipped": "yellow", "failed": "bold red"}
 
 
+def titled(title: str, **kw: object) -> Table:
+    """A table at least as wide as its title (rich would wrap a long title)."""
+    return Table(title=title, min_width=len(title) + 4, **kw)  # type: ignore[arg-type]
+
+
 def summary_table(results: Sequence[st.StageResult], title: str = "nightly") -> Table:
-    t = Table(title=title)
+    t = titled(title)
     t.add_column("stage")
     t.add_column("status")
     t.add_column("seconds", justify="right")
@@ -58,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="MODULE:NAME of a verifier (repeatable; default: the examples)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     a = p.parse_args(argv)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
     names = [s.strip() for s in a.stages.split(",") if s.strip()]
     bad = [n for n in names if n not in st.STAGES]
     if bad:

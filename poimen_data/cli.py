@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelines import stages as st
+from pipelines.nightly import titled
 
 app = typer.Typer(
     name="poimen", no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
@@ -109,7 +110,7 @@ def emit_json(value: Any) -> None:
 
 def kv_table(title: str, value: Any) -> Table:
     """A report dataclass as a two-column table (nested tuples summarized)."""
-    t = Table(title=title, show_header=False)
+    t = titled(title, show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value", overflow="fold")
     for k, v in st.jsonable(value).items():
@@ -282,7 +283,7 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
     for b in view.branches:
         fork = "" if b.parent_branch_id is None else \
             f", forked from {b.parent_branch_id} at step {b.fork_step_index}"
-        t = Table(title=f"branch {b.branch_id}{' (live)' if b.is_live else ''}{fork}",
+        t = titled(f"branch {b.branch_id}{' (live)' if b.is_live else ''}{fork}",
                   title_justify="left")
         for c in ("#", "step", "try", "state", "lsn", "prompt", "output", "tokens in/out",
                   "cost $", "dropped", "error"):
@@ -387,7 +388,7 @@ def grade(verifier: Annotated[list[str] | None, typer.Option(
     out.print(f"graded {r.runs_graded} runs ({r.runs_passed} passed, {r.runs_failed} failed, "
               f"{r.runs_errored} errored), {r.runs_skipped} skipped; "
               f"{r.verdicts_recorded} verdicts in {r.commits} commits, {r.wall_s:.2f} s")
-    t = Table(title="per verifier")
+    t = titled("per verifier")
     for c in ("verifier", "graded", "skipped", "passed", "failed", "errored"):
         t.add_column(c)
     for v in r.per_verifier:
@@ -516,7 +517,7 @@ def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits
     if as_json:
         emit_json(shown)
         return
-    t = Table(title=f"{log.root}: {len(rows)} commits, head LSN {log.head}")
+    t = titled(f"{log.root}: {len(rows)} commits, head LSN {log.head}")
     for c in ("seq", "lsn", "kind", "events", "new blobs", "bytes", "time (UTC)"):
         t.add_column(c, justify="right" if c in ("seq", "events", "new blobs", "bytes")
                      else "left")
