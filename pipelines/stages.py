@@ -40,6 +40,10 @@ class NotYet(Exception):
     """A library function this stage needs has not landed yet."""
 
 
+class StageFailed(Exception):
+    """The stage ran and its answer is no (e.g. state != re-fold); the message says why."""
+
+
 def lookup(name: str) -> Callable[..., Any]:
     """The library function ``name`` (e.g. ``"materialize"``), or raise ``NotYet``."""
     for mod in HOMES.get(name, ("poimen_data",)):
@@ -88,6 +92,9 @@ def _run(name: str, body: Callable[[], tuple[str, Any]]) -> StageResult:
         status = "ok"
     except NotYet as exc:
         status, detail, data = "skipped", f"{exc} (stage skipped)", {}
+    except StageFailed as exc:
+        status, detail = "failed", str(exc.args[0]).splitlines()[0]
+        data = exc.args[1] if len(exc.args) > 1 else {}
     except Exception as exc:  # one stage's fault, library bug included, is a result
         status, detail, data = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0], {}
     return StageResult(name, status, round(time.perf_counter() - t0, 3), detail,
@@ -111,14 +118,12 @@ def materialize(log: Any) -> StageResult:
 
 
 def check(log: Any) -> StageResult:
-    """State == cold re-fold. A mismatch is a ``failed`` stage naming what differs."""
+    """State == cold re-fold. A mismatch is a ``failed`` stage naming the first difference."""
     def body() -> tuple[str, Any]:
         r = lookup("check")(log)
-        ok = r if isinstance(r, bool) else getattr(r, "ok", True)
-        if not ok:
-            raise ValueError(f"state differs from a cold re-fold: {r}")
-        lsn = getattr(r, "lsn", None) or getattr(r, "at_lsn", None) or log.head
-        return f"materialized state == cold re-fold at LSN {lsn}", r
+        if not getattr(r, "ok", r):
+            raise StageFailed(str(r), r)
+        return str(r), r
     return _run("check", body)
 
 

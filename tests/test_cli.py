@@ -13,7 +13,6 @@ import pytest
 from typer.testing import CliRunner
 
 import poimen_data as pdm
-from pipelines import stages
 from poimen_data import cli, synth
 
 RUNS, SEED = 40, 1
@@ -184,13 +183,9 @@ def test_materialize_check_grade_export(demo_root, tmp_path: Path) -> None:
     r = poimen("materialize", "--root", root)
     assert (r.exit_code, r.stdout) == (0, f"state covers LSN {head} (head {head})\n")
     r = poimen("check", "--root", root)
-    try:
-        stages.lookup("check")
-    except stages.NotYet:
-        assert (r.exit_code, r.stderr) == (
-            3, "not available yet: poimen_data.check is not available yet\n")
-    else:
-        assert r.exit_code == 0 and "cold re-fold" in r.stdout
+    assert r.exit_code == 0
+    assert r.stdout.startswith(f"state at lsn {head} equals a cold re-fold: ")
+    assert r.stdout.endswith(f" files, {RUNS} episodes\n")
     con = pdm.connect(root)
     verifying = con.sql("select count(*) from runs where state = 'verifying'").fetchall()[0][0]
     rep = json.loads(poimen("grade", "--root", root, "--json").stdout)
@@ -211,6 +206,9 @@ def test_materialize_check_grade_export(demo_root, tmp_path: Path) -> None:
 def test_maintenance_commands(tmp_path: Path) -> None:
     root = str(tmp_path / "m")
     s = synth.generate(root, runs=12, seed=2, batch=1)
+    r = poimen("check", "--root", root)
+    assert (r.exit_code, r.stderr) == (
+        1, f"error: state differs from a cold re-fold: no materialized state in {root}\n")
     big = s.max_body - 1
     r = poimen("reduce", "--larger-than", str(big), "--dry-run", "--root", root)
     assert r.stdout == f"would reduce 1 bodies, {s.max_body:,} bytes\n"
