@@ -44,20 +44,17 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import duckdb
-import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
-from fsspec.implementations.local import LocalFileSystem
 
 from . import _fold, _state
-from ._export_formats import SLOTS, VERDICT_TYPE, WRITERS
+from ._export_formats import SLOTS, VERDICT_TYPE, WRITERS, Bodies, Sink
 from ._log import EventLog
 from .errors import NotFound, ValidationError
 from .events import BlobRef
@@ -71,7 +68,8 @@ _TABLES = ("runs", "trajectories", "verdicts", "reductions")
 
 @dataclass(frozen=True)
 class ExportReport:
-    """What an export wrote. ``reduced`` counts bodies exported as their summary."""
+    """What an export wrote. ``reduced`` counts bodies exported as their summary;
+    ``sha256`` is the file's, so two exports can be compared without reading them."""
 
     path: str
     format: str
@@ -81,6 +79,7 @@ class ExportReport:
     records: int
     bytes: int
     reduced: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ def export_live(
             "SELECT * FROM export_live ORDER BY run_id, pos"
         runs_total = con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})").fetchall()[0][0]
         reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
-        with _Publisher(os.fspath(dest), storage_options) as out, \
+        with Sink(os.fspath(dest), storage_options) as out, \
                 ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export") as pool:
             writer = WRITERS[format](out, lsn)
             fetcher = _Fetcher(log, pool)
@@ -195,7 +194,7 @@ def export_live(
     finally:
         con.close()
     return ExportReport(out.url, format, used, lsn, stats[0], stats[1], out.bytes,
-                        stats[2])
+                        stats[2], out.sha256)
 
 
 def _connect(log: EventLog, source: str, lsn: int) -> tuple[Any, str]:
@@ -311,15 +310,22 @@ class _Fetcher:
         self._late: dict[tuple[str, str], BlobRef] | None = None
         self._lock = threading.Lock()
 
-    def submit(self, batch: pa.RecordBatch, slots: tuple[str, ...]
-               ) -> dict[tuple[str, str], Future[tuple[bytes, bool]]]:
+    def submit(self, batch: pa.RecordBatch, slots: tuple[str, ...]) -> Bodies:
+        """Start fetching every body of ``batch`` (each distinct ref once)."""
         futs: dict[tuple[str, str], Future[tuple[bytes, bool]]] = {}
+        cells: dict[str, list[Future[tuple[bytes, bool]] | None]] = {}
         for s in slots:
+            col: list[Future[tuple[bytes, bool]] | None] = []
             for d in batch.column(f"{s}_ref").to_pylist():
-                if d is not None and (d["tenant"], d["sha256"]) not in futs:
-                    ref = BlobRef(d["tenant"], d["sha256"], d["size"])
-                    futs[(ref.tenant, ref.sha256)] = self.pool.submit(self._body, ref)
-        return futs
+                if d is None:
+                    col.append(None)
+                    continue
+                key = (d["tenant"], d["sha256"])
+                if key not in futs:
+                    futs[key] = self.pool.submit(self._body, BlobRef(*key, d["size"]))
+                col.append(futs[key])
+            cells[s] = col
+        return Bodies(cells, {s: batch.column(f"{s}_reduced").to_pylist() for s in slots})
 
     def _body(self, ref: BlobRef) -> tuple[bytes, bool]:
         """The body, and whether a reduction after the export LSN replaced it by its summary.
@@ -351,29 +357,19 @@ class _Fetcher:
 def _pump(reader: pa.RecordBatchReader, writer: Any, fetcher: _Fetcher,
           slots: tuple[str, ...], budget: int,
           report: Callable[[int, int], None] | None) -> tuple[int, int, int]:
-    """Fetch batch i+1's bodies while batch i is written. Returns (runs, records, reduced)."""
-    runs = records = reduced_n = 0
+    """Write batch i while batch i+1's bodies are fetched; within a batch, a row is
+    written as soon as its own bodies are in. Returns (runs, records, reduced)."""
+    runs = records = reduced = 0
     last_run: str | None = None
-    ahead: tuple[pa.RecordBatch, dict[Any, Future[tuple[bytes, bool]]]] | None = None
+    ahead: tuple[pa.RecordBatch, Bodies] | None = None
     it = _batches(reader, slots, budget)
     while True:
         nxt = next(it, None)
         queued = None if nxt is None else (nxt, fetcher.submit(nxt, slots))
         if ahead is not None:
-            (batch, futs), ahead = ahead, None
-            bodies: dict[str, list[bytes | None]] = {}
-            flags: dict[str, list[bool]] = {}
-            for s in slots:
-                refs = batch.column(f"{s}_ref").to_pylist()
-                red = batch.column(f"{s}_reduced").to_pylist()
-                got = [None if d is None else futs[(d["tenant"], d["sha256"])].result()
-                       for d in refs]
-                bodies[s] = [None if g is None else g[0] for g in got]
-                flags[s] = [bool(r) or (g is not None and g[1]) for r, g in zip(red, got,
-                                                                                 strict=True)]
-                reduced_n += sum(flags[s])
-            del got, futs
-            writer.write(batch, bodies, flags)
+            (batch, bodies), ahead = ahead, None
+            writer.write(batch, bodies)
+            reduced += bodies.reduced_count()
             del bodies
             ids = batch.column("run_id").to_pylist()
             runs += len({r for r in ids if r != last_run})
@@ -382,87 +378,5 @@ def _pump(reader: pa.RecordBatchReader, writer: Any, fetcher: _Fetcher,
             if report is not None:
                 report(runs - (nxt is not None), records)
         if queued is None:
-            return runs, records, reduced_n
+            return runs, records, reduced
         ahead = queued
-
-
-# --- writing and publishing ----------------------------------------------------------------
-
-
-class _Publisher:
-    """A binary sink at a temporary name next to ``dest``, counted as it is written,
-    moved onto ``dest`` only when the block exits cleanly."""
-
-    def __init__(self, dest: str, storage_options: dict[str, Any] | None) -> None:
-        self.fs, self.path = fsspec.core.url_to_fs(dest, **(storage_options or {}))
-        self.local = isinstance(self.fs, LocalFileSystem)
-        if self.local:
-            self.path = os.path.abspath(self.path)
-        self.url = self.path if self.local else self.fs.unstrip_protocol(self.path)
-        parent, name = self.path.rsplit("/", 1) if "/" in self.path else ("", self.path)
-        self.tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else \
-            f".{name}.{uuid.uuid4().hex}.tmp"
-        self.bytes = 0
-        self._f: Any = None
-
-    def __enter__(self) -> _Publisher:
-        if self.local:
-            os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
-            self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in __exit__
-        else:
-            self._f = self.fs.open(self.tmp, "wb")
-        return self
-
-    # the file-like surface pyarrow and the jsonl writers need
-    def write(self, data: bytes | memoryview) -> int:
-        self._f.write(data)
-        self.bytes += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.bytes
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    @property
-    def closed(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return True
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self._discard()
-            return
-        try:
-            if self.local:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-                self._f.close()
-                os.replace(self.tmp, self.path)
-            else:
-                self._f.close()
-                self.fs.mv(self.tmp, self.path)
-        except BaseException:
-            self._discard()
-            raise
-
-    def _discard(self) -> None:
-        """Drop the temporary file; an unfinished S3 upload is aborted, never completed."""
-        f = self._f
-        try:
-            if hasattr(f, "discard") and not self.local:
-                f.discard()
-            if not f.closed:
-                f.close()
-        except Exception:  # noqa: BLE001 - the export's own error is what matters
-            pass
-        try:
-            if self.local:
-                os.unlink(self.tmp)
-            elif self.fs.exists(self.tmp):
-                self.fs.rm_file(self.tmp)
-        except OSError:
-            pass

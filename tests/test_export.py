@@ -18,10 +18,8 @@ import orjson
 import pytest
 
 import poimen_data as pdm
+from poimen_data import ExportProgress, export_live, materialize, reduce
 from poimen_data import events as ev
-from poimen_data._export import ExportProgress, export_live
-from poimen_data._maint import reduce
-from poimen_data._state import materialize
 
 T = "acme"
 
@@ -131,7 +129,7 @@ def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     a = export_live(log, tmp_path / "state.out", format=fmt, source="state")
     cold = pdm.open_log(str(tmp_path / "log"))  # a fresh handle: nothing cached
     b = export_live(cold, tmp_path / "log.out", format=fmt, source="log")
-    assert sha(tmp_path / "state.out") == sha(tmp_path / "log.out")
+    assert sha(tmp_path / "state.out") == sha(tmp_path / "log.out") == a.sha256 == b.sha256
     assert (a.source, b.source) == ("state", "log")
     assert a.export_lsn == b.export_lsn == log.head
     assert a.bytes == b.bytes == (tmp_path / "state.out").stat().st_size
@@ -284,9 +282,11 @@ def test_peak_memory_is_bounded_by_the_batch_budget(tmp_path: Path, fmt: str) ->
     finally:
         tracemalloc.stop()
     assert rep.records == 48
-    # two batches in flight (one being written, one being fetched) plus fixed overhead;
-    # the bodies total 12 budgets
-    assert peak < 3 * budget + (1 << 20), f"peak {peak} bytes"
+    # two batches in flight (one being written, one being fetched), for parquet also the
+    # row group being assembled, plus a fixed few MiB (the writer thread's queue, one
+    # record being encoded). tracemalloc sees Python objects, which hold every body.
+    batches = 2 if fmt == "jsonl" else 3
+    assert peak < batches * budget + (4 << 20), f"peak {peak} bytes"
     assert peak < total / 3
 
 
@@ -309,6 +309,7 @@ def test_a_failed_export_leaves_no_partial_file(tmp_path: Path, backend: str,
     first = export_live(log, dest, storage_options=opts)
     assert first.records == 20
     published = fs.cat_file(f"{base}/live.jsonl")
+    assert hashlib.sha256(published).hexdigest() == first.sha256
     assert len(published) == first.bytes and published.count(b"\n") == 20
 
     # the body of the last attempt's output disappears from under the log
