@@ -8,6 +8,7 @@ episode tables with DuckDB, grade frozen snapshots, and export training data.
 from __future__ import annotations
 
 from ._blobs import BlobStore, FsBlobStore
+from ._export import ExportProgress, ExportReport, export_live
 from ._fold import connect
 from ._grade import GradeReport, Verdict, VerifierCtx, grade
 from ._log import CommitInfo, EventLog, Transaction, open_log
@@ -36,6 +37,8 @@ __all__ = [
     "CorruptionError",
     "EpisodeView",
     "EventLog",
+    "ExportProgress",
+    "ExportReport",
     "FsBlobStore",
     "GradeReport",
     "LeaseHeld",
@@ -52,6 +55,7 @@ __all__ = [
     "compact",
     "connect",
     "episode",
+    "export_live",
     "grade",
     "materialize",
     "open_log",
