@@ -262,7 +262,17 @@ def _build_incremental(log: EventLog, ptr: Pointer, lsn: int) -> _Build:
     """Re-fold only the runs that commits after ``ptr.lsn`` touched; rewrite their chunks."""
     b = _Build({t: {f.chunk: f for f in ptr.tables.get(t, ())} for t in STATE_TABLES})
     new = log.read_events(lsn, ptr.lsn + 1)
+    if pc.any(pc.equal(new.column("kind"), "blob_reduced")).as_py():
+        _merge_reductions(log, b, new)
     touched = pc.unique(new.column("run_id").drop_null())
+    if len(touched):
+        _merge_runs(log, ptr, b, touched, lsn)
+    return b
+
+
+def _merge_runs(log: EventLog, ptr: Pointer, b: _Build, touched: pa.Array, lsn: int) -> None:
+    """Fold the touched runs' whole histories (from the first LSN of the earliest one) and
+    merge them into their chunks; new runs go to the end, in start order."""
     old_index = _concat([read_file(log, f) for f in ptr.tables.get(INDEX, ())],
                         table_schemas()[INDEX])
     is_touched = pc.is_in(old_index.column("run_id"), touched)
@@ -297,14 +307,12 @@ def _build_incremental(log: EventLog, ptr: Pointer, lsn: int) -> _Build:
             for c in chunks:
                 b.tables[t].pop(c, None)
             b.tables[t].update(_split(t, merged, b.data))
-        _merge_reductions(log, b, new)
         if con.execute("SELECT count(*) FROM _new_index").fetchall()[0][0]:
             index = con.sql("SELECT 0::BIGINT AS _chunk, * FROM (SELECT * FROM _old_index "
                             "UNION ALL SELECT * FROM _new_index) ORDER BY run_id")
             b.tables[INDEX] = _split(INDEX, index.to_arrow_table(), b.data)
     finally:
         con.close()
-    return b
 
 
 def _merge_reductions(log: EventLog, b: _Build, new: pa.Table) -> None:
@@ -409,8 +417,9 @@ def _episode_digests(tables_by_chunk: dict[int, dict[str, pa.Table]],
     from ._query import episodes_from_tables  # _query builds on this module
 
     out = {}
+    empty = {t: table_schemas()[t].empty_table() for t in ("runs", "branches", "attempts")}
     for tables in tables_by_chunk.values():
-        for view in episodes_from_tables(tables, at_lsn=lsn):
+        for view in episodes_from_tables({**empty, **tables}, at_lsn=lsn):
             out[view.run_id] = hashlib.sha256(view.serialize()).hexdigest()
     return out
 
