@@ -250,3 +250,13 @@ def test_console_script_prints_no_traceback(demo_root) -> None:
                        capture_output=True, text=True, check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.startswith("error: no run 'run-424242'") and p.stderr.count("\n") == 1
+
+
+def test_the_three_suggested_queries_run(demo_root) -> None:
+    from pipelines.demo import QUERIES
+
+    root, _ = demo_root
+    for _title, q in QUERIES:
+        r = poimen("sql", q, "--root", root, "--json")
+        assert r.exit_code == 0, r.stderr
+        assert len(json.loads(r.stdout)) >= 2
