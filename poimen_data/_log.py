@@ -13,7 +13,7 @@ import hashlib
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -82,7 +82,11 @@ class _State:
     def __init__(self) -> None:
         self.seq = 0
         self.lsn = 0
-        self.segments: dict[str, SegmentInfo] = {}
+        self._segments: dict[str, SegmentInfo] = {}
+        # A checkpoint's segment list is loaded on first use, so opening a log costs the
+        # same with 10 or 10,000 segments; manifests applied before that are queued.
+        self._loader: Callable[[], dict[str, SegmentInfo]] | None = None
+        self._queued: list[Manifest] = []
         self.reduced: dict[BlobKey, int] = {}  # body -> seq of its latest reduction
         # bodies committed again after a reduction: they stay in staging (see _promote)
         self.recommitted: dict[BlobKey, tuple[int, str]] = {}
@@ -90,6 +94,17 @@ class _State:
         self.pending: dict[BlobKey, str] = {}
         self.manifests_since_checkpoint: list[Manifest] = []
         self.checkpoint_seq = 0
+
+    @property
+    def segments(self) -> dict[str, SegmentInfo]:
+        if self._loader is not None:
+            base = self._loader()
+            self._loader = None
+            for m in self._queued:
+                _apply_segments(base, m)
+            self._queued = []
+            self._segments = base
+        return self._segments
 
     def apply(self, m: Manifest) -> None:
         if m.seq != self.seq + 1:
@@ -99,10 +114,10 @@ class _State:
                 f"{manifest_path(m.seq)}: first_lsn {m.first_lsn} is not head + 1 "
                 f"({self.lsn + 1})"
             )
-        for p in m.supersedes:
-            self.segments.pop(p, None)
-        for s in m.segments:
-            self.segments[s.path] = s
+        if self._loader is not None:
+            self._queued.append(m)
+        else:
+            _apply_segments(self._segments, m)
         for t, sha in m.reduces:
             self.reduced[(t, sha)] = m.seq
             self.recommitted.pop((t, sha), None)
@@ -122,31 +137,54 @@ class _State:
     def is_reduced(self, key: BlobKey) -> bool:
         return key in self.reduced and key not in self.recommitted
 
-    def to_checkpoint(self) -> dict[str, Any]:
+    def to_checkpoint(self, segments_file: dict[str, Any]) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "seq": self.seq,
             "lsn": self.lsn,
-            "segments": [s.to_json() for s in sorted(self.segments.values(),
-                                                     key=lambda s: s.first_lsn)],
+            "segments_file": segments_file,
             "reduced": sorted([t, sha, s] for (t, sha), s in self.reduced.items()),
             "recommitted": sorted([t, sha, s, p]
                                   for (t, sha), (s, p) in self.recommitted.items()),
         }
 
+    def segments_table(self) -> pa.Table:
+        segs = sorted(self.segments.values(), key=lambda s: s.first_lsn)
+        return pa.table({
+            "path": pa.array([s.path for s in segs], pa.string()),
+            "rows": pa.array([s.rows for s in segs], pa.int64()),
+            "size": pa.array([s.size for s in segs], pa.int64()),
+            "sha256": pa.array([s.sha256 for s in segs], pa.string()),
+            "first_lsn": pa.array([s.first_lsn for s in segs], pa.int64()),
+            "seq": pa.array([s.seq for s in segs], pa.int64()),
+            "has_lsn": pa.array([s.has_lsn for s in segs], pa.bool_()),
+        })
+
     @classmethod
-    def from_checkpoint(cls, d: dict[str, Any]) -> _State:
+    def from_checkpoint(cls, d: dict[str, Any],
+                        loader: Callable[[], dict[str, SegmentInfo]]) -> _State:
         st = cls()
         st.seq = d["seq"]
         st.lsn = d["lsn"]
         st.checkpoint_seq = d["seq"]
-        for s in d["segments"]:
-            info = SegmentInfo.from_json(s)
-            st.segments[info.path] = info
+        st._loader = loader
         st.reduced = {(t, sha): s for t, sha, s in d["reduced"]}
         st.recommitted = {(t, sha): (s, p) for t, sha, s, p in d["recommitted"]}
         return st
+
+
+def _apply_segments(segments: dict[str, SegmentInfo], m: Manifest) -> None:
+    for p in m.supersedes:
+        segments.pop(p, None)
+    for s in m.segments:
+        segments[s.path] = s
+
+
+def _segments_from_table(t: pa.Table) -> dict[str, SegmentInfo]:
+    cols = [t.column(c).to_pylist() for c in
+            ("path", "rows", "size", "sha256", "first_lsn", "seq", "has_lsn")]
+    return {row[0]: SegmentInfo(*row) for row in zip(*cols, strict=True)}
 
 
 class EventLog:
@@ -199,10 +237,33 @@ class EventLog:
             if data is None:
                 continue
             try:
-                return _State.from_checkpoint(loads(data, checkpoint_path(s)))
+                doc = loads(data, checkpoint_path(s))
+                seg = doc["segments_file"]
+                if self.storage.size(seg["path"]) != seg["size"]:
+                    continue  # incomplete: its segment list never landed
+                return _State.from_checkpoint(doc, self._segment_loader(seg, s))
             except (CorruptionError, KeyError, ValueError, TypeError):
                 continue
         return _State()
+
+    def _segment_loader(self, seg: dict[str, Any],
+                        seq: int) -> Callable[[], dict[str, SegmentInfo]]:
+        """Load a checkpoint's segment list when first needed; if it turns out damaged,
+        rebuild the list from the manifests instead of trusting it."""
+
+        def load() -> dict[str, SegmentInfo]:
+            data = self.storage.read_or_none(seg["path"])
+            if data is not None and len(data) == seg["size"] \
+                    and hashlib.sha256(data).hexdigest() == seg["sha256"]:
+                return _segments_from_table(pa.ipc.open_file(pa.py_buffer(data)).read_all())
+            segments: dict[str, SegmentInfo] = {}
+            for m in self.manifests():
+                if m.seq > seq:
+                    break
+                _apply_segments(segments, m)
+            return segments
+
+        return load
 
     def refresh(self) -> int:
         """Read manifests published since the last look; returns the head LSN.
@@ -412,7 +473,15 @@ class EventLog:
                 return 0  # the head moved on; a later commit writes the next one
             for m in st.manifests_since_checkpoint:
                 self._promote(m)
-            doc = st.to_checkpoint()
+            sink = pa.BufferOutputStream()
+            table = st.segments_table()
+            with pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+            data = sink.getvalue().to_pybytes()
+            seg_path = checkpoint_path(st.seq).replace(".json", ".segments.arrow")
+            self.storage.put_if_absent(seg_path, data)
+            doc = st.to_checkpoint({"path": seg_path, "size": len(data),
+                                    "sha256": hashlib.sha256(data).hexdigest()})
             self.storage.put_if_absent(checkpoint_path(st.seq), dumps(doc))
             self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
                                                "version": FORMAT_VERSION, "seq": st.seq}))
@@ -685,11 +754,16 @@ def open_log(
     create: bool = True,
     *,
     checkpoint_interval: int | None = None,
+    durable: bool = True,
 ) -> EventLog:
-    """Open (or create) the log under ``root``: a local path or any fsspec URL."""
+    """Open (or create) the log under ``root``: a local path or any fsspec URL.
+
+    ``durable=False`` skips fsync on local disk: for scratch logs (benchmarks, tests that
+    need thousands of commits); a power loss may then lose recent commits.
+    """
     if isinstance(root, EventLog):
         return root
-    storage = Storage(os.fspath(root), storage_options)
+    storage = Storage(os.fspath(root), storage_options, durable=durable)
     try:
         raw = storage.read_or_none("_poimen.json")
     except (OSError, ValueError) as exc:
