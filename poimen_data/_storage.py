@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 
 from .errors import NotFound, PoimenError
 
@@ -92,6 +93,8 @@ class Storage:
             if self.kind == "local":
                 with open(path, "rb") as f:
                     return f.read()
+            if self.kind == "s3":
+                return self._s3("get_object", path)
             return self.fs.cat_file(path)
         except FileNotFoundError:
             raise NotFound(f"no such file: {self.url_of(rel)}") from None
@@ -106,6 +109,8 @@ class Storage:
         self.calls["exists"] += 1
         if self.kind == "local":
             return os.path.exists(self.full(rel))
+        if self.kind == "s3":
+            return self.size(rel) is not None
         return bool(self.fs.exists(self.full(rel)))
 
     def size(self, rel: str) -> int | None:
@@ -113,6 +118,8 @@ class Storage:
         try:
             if self.kind == "local":
                 return os.stat(self.full(rel)).st_size
+            if self.kind == "s3":
+                return int(self._s3("head_object", self.full(rel))["ContentLength"])
             return int(self.fs.size(self.full(rel)))
         except FileNotFoundError:
             return None
@@ -168,6 +175,22 @@ class Storage:
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def _s3(self, op: str, path: str) -> Any:
+        """One S3 request for one key (s3fs's file API adds a HEAD, or a LIST on a miss)."""
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def call() -> Any:
+            resp = await self.fs._call_s3(op, Bucket=bucket, Key=key)
+            if op != "get_object":
+                return resp
+            body = resp["Body"]
+            try:
+                return await body.read()
+            finally:
+                body.close()
+
+        return fsspec.asyn.sync(self.fs.loop, call)
 
     def invalidate(self, rel: str = "") -> None:
         if hasattr(self.fs, "invalidate_cache"):
