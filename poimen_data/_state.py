@@ -194,15 +194,16 @@ def read_run(log: EventLog, f: FileEntry, run_id: str) -> pa.Table:
     statistics can hold it are read, and their pages are checked by CRC."""
     st = log.storage
     try:
-        src = st.full(f.path) if st.kind == "local" else st.fs.open(st.full(f.path), "rb")
-        pf = pq.ParquetFile(src, page_checksum_verification=True)
-        col = pf.schema_arrow.get_field_index("run_id")
-        groups = []
-        for i in range(pf.metadata.num_row_groups):
-            s = pf.metadata.row_group(i).column(col).statistics
-            if s is None or not s.has_min_max or s.min <= run_id <= s.max:
-                groups.append(i)
-        t = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
+        with (open(st.full(f.path), "rb") if st.kind == "local"
+              else st.fs.open(st.full(f.path), "rb")) as src, \
+                pq.ParquetFile(src, page_checksum_verification=True) as pf:
+            col = pf.schema_arrow.get_field_index("run_id")
+            groups = []
+            for i in range(pf.metadata.num_row_groups):
+                s = pf.metadata.row_group(i).column(col).statistics
+                if s is None or not s.has_min_max or s.min <= run_id <= s.max:
+                    groups.append(i)
+            t = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
     except FileNotFoundError:
         raise CorruptionError(f"{st.url_of(f.path)}: listed by the state pointer but "
                               "missing") from None
@@ -335,25 +336,30 @@ def _merge_reductions(log: EventLog, b: _Build, new: pa.Table) -> None:
 
 
 def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None) -> Pointer:
+    """Write the new files, then replace the pointer (one atomic write), then remove the
+    files that neither the new pointer nor the one it replaces lists."""
     have = old.files() if old is not None else set()
     tables = {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.chunk))
               for t in STATE_TABLES}
-    ptr = Pointer(lsn, log.seq_of_lsn(lsn), FOLD_VERSION, current_settings(), tables,
-                  tuple(sorted(have)))
+    files = {f.path for e in tables.values() for f in e}
     for path, data in sorted(b.data.items()):
-        if path in ptr.files() and path not in have:
+        if path in files and path not in have:
             log.storage.write(path, data)
     crash_point("state_written")
-    current = usable_pointer(log)
-    if current is not None and current.lsn >= lsn and old is not None \
-            and current.lsn != old.lsn:
-        return current  # a concurrent materialize published a newer state meanwhile
+    try:
+        current = read_pointer(log)
+    except CorruptionError:
+        current = None
+    newer = current is not None and current.usable and current.lsn >= lsn
+    if newer and (old is None or current.lsn != old.lsn):
+        return current  # a concurrent materialize published this LSN or a newer one
+    # A reader may have started on ``current``: its files stay one more generation.
+    prev = current.files() if current is not None else set()
+    ptr = Pointer(lsn, log.seq_of_lsn(lsn), FOLD_VERSION, current_settings(), tables,
+                  tuple(sorted(prev)))
     log.storage.write(POINTER, dumps(ptr.to_doc()))
     crash_point("state_published")
-    # Files of the generation before the previous one: a reader that started on the
-    # previous pointer may still read its files, so those stay until the next publish.
-    keep = ptr.files() | have
-    for path in sorted(set(old.prev_files) - keep) if old is not None else ():
+    for path in sorted(set(current.prev_files) - files - prev) if current else ():
         log.storage.delete(path)
     return ptr
 
