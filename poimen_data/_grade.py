@@ -43,7 +43,9 @@ class Verdict:
 class VerifierCtx:
     """Everything a verifier may look at. ``episode`` is frozen at ``snapshot_lsn`` and
     holds refs only; ``blobs.get`` fetches a body on demand (None once reduced).
-    ``deadline`` is a ``time.monotonic()`` value: past it, the verdict is an error."""
+    ``deadline`` is a ``time.monotonic()`` value: past it, the verdict is an error.
+    ``step``/``attempt`` name the attempt under review when a verifier grades one; they
+    are None when it grades the whole run (all ``grade`` does today)."""
 
     run: str
     step: str | None
@@ -281,6 +283,9 @@ def grade(
     if executor is not None and not dask:
         raise ValidationError(f"grade: executor must be None or a distributed.Client, got "
                               f"{type(executor).__name__}")
+    if dask and log.storage.kind == "memory":
+        raise ValidationError("grade: a memory:// log lives in this process; Dask workers "
+                              "cannot open it")
     if dask and blobs is not None:
         raise ValidationError("grade: blobs= is not available on Dask (workers read bodies "
                               "through their own log)")

@@ -44,11 +44,13 @@ def _snapshots(log: EventLog, tasks: Sequence[_Task]) -> dict[str, EpisodeView]:
 
     cut = {t.run_id: t.snapshot_lsn for t in tasks}
     events = log.read_events(at_lsn=max(cut.values()))
-    runs = pa.array(list(cut), pa.string())
-    slot = pc.index_in(events.column("run_id"), value_set=runs)
+    # The mask is computed on two combined columns and applied with one take: a log of
+    # many small commits has one chunk per commit, and per-chunk compute costs add up.
+    slot = pc.index_in(events.column("run_id").combine_chunks(),
+                       value_set=pa.array(list(cut), pa.string()))
     limit = pc.take(pa.array(list(cut.values()), pa.int64()), slot)
-    keep = pc.fill_null(pc.less_equal(events.column("lsn"), limit), False)
-    tables = fold_tables(events.filter(keep), EPISODE_TABLES)
+    keep = pc.fill_null(pc.less_equal(events.column("lsn").combine_chunks(), limit), False)
+    tables = fold_tables(events.take(pc.indices_nonzero(keep)), EPISODE_TABLES)
     out = {}
     for v in episodes_from_tables(tables, at_lsn=0, all_branches=True):
         out[v.run_id] = EpisodeView(v.run_id, v.tenant, v.workflow_version, v.state,

@@ -12,6 +12,7 @@ import pytest
 
 import poimen_data as pdm
 from poimen_data import events as E
+from poimen_data import synth
 from poimen_data._grade import GradeReport, Verdict, VerifierCounts, VerifierCtx, grade
 from poimen_data.testing import record_run
 from poimen_data.verifiers import exit_code
@@ -192,3 +193,31 @@ def test_progress_counts_run_verifier_pairs(log: pdm.EventLog) -> None:
     seen: list[tuple[int, int]] = []
     grade(log, [exit_code], progress=lambda done, total: seen.append((done, total)))
     assert seen == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_snapshots_built_in_bulk_equal_cold_episodes_at_each_verifying_lsn(
+        log: pdm.EventLog) -> None:
+    """The synthetic workload has forks of forks, cancels while verifying and recovered
+    attempts: every held view must equal a cold fold of its run at its snapshot LSN."""
+    synth.generate(log, runs=120, seed=5, batch=4)
+    seen: dict[str, tuple[int, bytes]] = {}
+    lock = threading.Lock()
+
+    def keep(ctx: VerifierCtx) -> Verdict:
+        with lock:
+            seen[ctx.run] = (ctx.snapshot_lsn, ctx.episode.serialize())
+        return Verdict(True)
+
+    report = grade(log, [keep], chunk_runs=25)
+    con = pdm.connect(log)
+    expected = dict(con.execute("select run_id, verifying_lsn from runs "
+                                "where state = 'verifying'").fetchall())
+    n_forked = con.execute("select count(*) from runs where state = 'verifying' "
+                           "and n_branches > 2").fetchone()[0]
+    con.close()
+    assert report.runs_graded == len(expected) == len(seen)
+    assert n_forked > 0
+    for run, (lsn, held) in seen.items():
+        assert lsn == expected[run]
+        cold = pdm.episode(log, run, all_branches=True, at_lsn=lsn, source="log")
+        assert held == cold.serialize(), run

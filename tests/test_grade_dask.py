@@ -3,6 +3,7 @@ the snapshot LSNs themselves, and give the verdicts the in-process executor give
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -55,6 +56,9 @@ def test_dask_executor_gives_the_same_verdicts_as_in_process(tmp_path: Any) -> N
         remote = grade(log, verifiers, executor=client, force=True)
         with pytest.raises(pdm.ValidationError, match="blobs="):
             grade(log, verifiers, executor=client, blobs=log.blobs)
+        with pytest.raises(pdm.ValidationError, match="memory://"):
+            grade(pdm.open_log(f"memory://dask-{uuid.uuid4().hex}"), verifiers,
+                  executor=client)
 
     assert remote.executor == "dask" and local.executor == "threads"
     assert (remote.runs_graded, remote.runs_passed, remote.runs_failed, remote.runs_errored,
