@@ -534,13 +534,20 @@ def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits
 def bench(quick: Annotated[bool, typer.Option(help="Small sizes: under a minute.")] = False,
           json_path: Annotated[str | None, typer.Option("--json", help="Write JSON here.")]
           = None,
-          only: Annotated[str | None, typer.Option(help="Run one scenario.")] = None) -> None:
-    """Measure every speed goal against its reference, side by side (ratios)."""
+          only: Annotated[str | None, typer.Option(help="Run one scenario.")] = None,
+          work_dir: Annotated[str | None, typer.Option(
+              help="Make the scratch directory here (the disk to measure).")] = None) -> None:
+    """Measure every speed goal against a reference timed in the same run (ratios)."""
     try:
-        from pipelines import bench as bench_mod
+        from . import _bench
     except ImportError:
         raise st.NotYet("poimen bench is not available yet") from None
-    bench_mod.main(quick=quick, json_path=json_path, only=only, console=out)
+    if only is not None:
+        try:
+            _bench.select(only)
+        except KeyError as exc:
+            fail(str(exc.args[0]), code=2)
+    raise typer.Exit(_bench.run_cli(quick, json_path, only, work_dir))
 
 
 def main() -> None:

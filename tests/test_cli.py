@@ -225,10 +225,16 @@ def test_maintenance_commands(tmp_path: Path) -> None:
     assert r.exit_code == 0 and "segments_after" in r.stdout
 
 
-def test_bench_is_not_there_yet() -> None:
-    r = poimen("bench", "--quick")
-    assert (r.exit_code, r.stderr) == (3, "not available yet: poimen bench is not available "
-                                          "yet\n")
+def test_bench_one_scenario_and_an_unknown_one(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    r = poimen("bench", "--quick", "--only", "event_objects", "--json", str(path),
+               "--work-dir", str(tmp_path / "work"))
+    assert r.exit_code == 0, r.stdout
+    doc = json.loads(path.read_text())
+    assert [x["name"] for x in doc["results"]] == ["event_objects"]
+    r = poimen("bench", "--only", "nope")
+    assert r.exit_code == 2
+    assert r.stderr.startswith("error: no scenario 'nope'; scenarios: bulk_ingest, ")
 
 
 @pytest.mark.parametrize("command", ["demo", "sql", "show", "materialize", "check", "grade",
