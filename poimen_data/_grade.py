@@ -238,7 +238,7 @@ class _Recorder:
 
 
 def grade(
-    log: EventLog,
+    log: EventLog | str,
     verifiers: Verifier | Sequence[Verifier],
     runs: Iterable[str] | None = None,
     executor: Any = None,
@@ -253,6 +253,7 @@ def grade(
 ) -> GradeReport:
     """Grade the runs in ``verifying`` at the head (or ``runs``) and record one verdict
     per (run, verifier) not yet graded at that snapshot LSN (all of them with ``force``).
+    ``log`` is an ``EventLog`` or the root URL of an existing log.
 
     ``executor``: None for a thread pool in this process (``threads`` wide), or a
     ``distributed.Client``; Dask workers read bodies through their own read-only log, so
@@ -262,7 +263,11 @@ def grade(
     ``chunk_runs`` runs per fold. Verdicts are committed ``batch_size`` per transaction
     as they arrive, so an interrupted job keeps the verdicts it made.
     """
+    from ._fold import _as_log
+    from ._grade_exec import _is_dask_client, _run_dask, _run_here
+
     t0 = time.perf_counter()
+    log = _as_log(log, None)
     vs = [verifiers] if callable(verifiers) else list(verifiers)
     if not vs:
         raise ValidationError("grade: no verifiers given")
@@ -276,8 +281,6 @@ def grade(
     limits = [float(getattr(v, "deadline_s", deadline_s)) for v in vs]
     if batch_size < 1 or chunk_runs < 1:
         raise ValidationError("grade: batch_size and chunk_runs must be >= 1")
-    from ._grade_exec import _is_dask_client, _run_dask, _run_here
-
     n_threads = threads or min(8, (os.cpu_count() or 1) + 4)
     dask = executor is not None and _is_dask_client(executor)
     if executor is not None and not dask:

@@ -102,7 +102,7 @@ def test_given_runs_are_graded_whatever_their_state_now(log: pdm.EventLog) -> No
     record_run(log, "c", OK)
     with log.transaction() as tx:
         tx.append(E.RunFinished("acme", "a", "succeeded"))
-    report = grade(log, [exit_code], runs=["a", "b", "a"])
+    report = grade(log.root, [exit_code], runs=["a", "b", "a"])  # a root URL works too
     assert (report.runs_graded, report.runs_skipped) == (1, 1)
     assert [r[:4] for r in verdicts(log)] == [("a", 0, "exit_code@1", a)]
     with pytest.raises(pdm.NotFound, match="'zz'"):
