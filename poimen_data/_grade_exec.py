@@ -174,7 +174,7 @@ def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[_Ta
     snapshot LSNs (so no episode crosses the network), grade, return the results."""
     from ._log import open_log
 
-    log = open_log(root, storage_options or None, create=False)
+    log = open_log(root, storage_options or None, create=False, read_only=True)
     t0 = time.perf_counter()
     snaps = _snapshots(log, tasks)
     snap_s = time.perf_counter() - t0

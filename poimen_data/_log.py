@@ -191,9 +191,11 @@ class EventLog:
     """One log under a root URL. Thread-safe for readers; one transaction at a time per
     thread. Several processes may write the same log concurrently."""
 
-    def __init__(self, storage: Storage, config: dict[str, Any]) -> None:
+    def __init__(self, storage: Storage, config: dict[str, Any], *,
+                 read_only: bool = False) -> None:
         self.storage = storage
         self.config = config
+        self.read_only = read_only
         self.checkpoint_interval = int(config.get("checkpoint_interval",
                                                   DEFAULT_CHECKPOINT_INTERVAL))
         self._lock = threading.RLock()
@@ -216,7 +218,7 @@ class EventLog:
         with self._lock:
             self._state = st
         self.refresh()
-        if self.storage.writable:
+        if self.storage.writable and not self.read_only:
             self._roll_forward()
 
     def _load_checkpoint(self) -> _State:
@@ -326,6 +328,8 @@ class EventLog:
     # -- transactions -------------------------------------------------------------
 
     def transaction(self) -> Transaction:
+        if self.read_only:
+            raise PoimenError(f"{self.root} was opened read-only")
         return Transaction(self)
 
     # -- reading events -----------------------------------------------------------
@@ -755,11 +759,14 @@ def open_log(
     *,
     checkpoint_interval: int | None = None,
     durable: bool = True,
+    read_only: bool = False,
 ) -> EventLog:
     """Open (or create) the log under ``root``: a local path or any fsspec URL.
 
     ``durable=False`` skips fsync on local disk: for scratch logs (benchmarks, tests that
     need thousands of commits); a power loss may then lose recent commits.
+    ``read_only=True`` never writes: no roll-forward at open, no transactions (workers
+    that only read a snapshot).
     """
     if isinstance(root, EventLog):
         return root
@@ -769,7 +776,7 @@ def open_log(
     except (OSError, ValueError) as exc:
         raise PoimenError(f"cannot read {storage.url}: {exc}") from None
     if raw is None:
-        if not create:
+        if not create or read_only:
             raise NotFound(f"no poimen log at {storage.url} (open with create=True to make one)")
         config = {
             "format": FORMAT_NAME,
@@ -780,7 +787,7 @@ def open_log(
         storage.put_if_absent("_poimen.json", dumps(config))
         raw = storage.read("_poimen.json")
     config = loads(raw, storage.url_of("_poimen.json"))
-    return EventLog(storage, config)
+    return EventLog(storage, config, read_only=read_only)
 
 
 def commit_events(log: EventLog, events: Sequence[ev.Event]) -> CommitInfo:

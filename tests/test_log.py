@@ -237,3 +237,17 @@ def test_checkpoints_keep_open_flat_and_damaged_one_is_skipped(tmp_path) -> None
     third = pdm.open_log(str(tmp_path / "l"))
     assert third._state.checkpoint_seq == 10 and third.head == 25
     assert third.read_events().num_rows == 25
+
+
+def test_read_only_open_never_writes(tmp_path) -> None:
+    url = str(tmp_path / "log")
+    with pytest.raises(pdm.NotFound):
+        pdm.open_log(url, read_only=True)
+    log = pdm.open_log(url)
+    _run(log)
+    before = snapshot_files(log)
+    ro = pdm.open_log(url, read_only=True)
+    assert ro.head == 3 and ro.read_events().num_rows == 3
+    with pytest.raises(pdm.PoimenError, match="read-only"):
+        ro.transaction()
+    assert snapshot_files(log) == before
