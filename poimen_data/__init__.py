@@ -13,8 +13,8 @@ from ._fold import connect
 from ._grade import GradeReport, Verdict, VerifierCtx, grade
 from ._log import CommitInfo, EventLog, Transaction, open_log
 from ._maint import compact, reduce, vacuum
-from ._query import AttemptView, BranchView, EpisodeView, episode
-from ._state import check, materialize
+from ._query import AttemptView, BranchView, EpisodeView, check, episode
+from ._state import materialize
 from .errors import (
     CommitConflict,
     CorruptionError,

@@ -3,11 +3,13 @@
 An ``EpisodeView`` is an owned, immutable value that holds refs, never bodies, and never
 re-reads storage; time travel gives a new value. ``serialize()`` is canonical JSON
 (sorted keys, no spaces, money as a fixed-point string), so a view served from the
-materialized state and one from a cold re-fold can be compared byte for byte.
+materialized state and one from a cold re-fold can be compared byte for byte, which is
+what ``check()`` does for every episode (and for every state file, by sha256).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -17,8 +19,10 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from ._fold import _as_log, fold_tables, run_events
+from . import _state
+from ._fold import FOLD_VERSION, _as_log, fold_tables, run_events
 from ._log import EventLog
 from ._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
 from .errors import CorruptionError, NotFound, ValidationError
@@ -273,4 +277,92 @@ def episode(
     return episode_auto(log, run_id, at_lsn=lsn, all_branches=all_branches)
 
 
-__all__ = ["AttemptView", "BranchView", "EpisodeView", "episode", "episodes_from_tables"]
+# --- check ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What ``check`` found: ``ok`` when every file and every episode of the state equals
+    a cold re-fold of the log at the state's LSN."""
+
+    ok: bool
+    lsn: int | None
+    files: int
+    episodes: int
+    first_difference: str | None
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (f"state at lsn {self.lsn} equals a cold re-fold: {self.files} files, "
+                    f"{self.episodes} episodes")
+        return f"state differs from a cold re-fold: {self.first_difference}"
+
+
+def _first_row_difference(a: pa.Table, b: pa.Table) -> str:
+    for i, (x, y) in enumerate(zip(a.to_pylist(), b.to_pylist(), strict=False)):
+        if x != y:
+            cols = [k for k in x if x[k] != y.get(k)]
+            return f"row {i} differs in {cols}: state {x} != re-fold {y}"
+    return f"state has {a.num_rows} rows, re-fold {b.num_rows}"
+
+
+def _episode_digests(tables_by_chunk: dict[int, dict[str, pa.Table]],
+                     lsn: int) -> dict[str, str]:
+    out = {}
+    empty = {t: table_schemas()[t].empty_table() for t in ("runs", "branches", "attempts")}
+    for tables in tables_by_chunk.values():
+        for view in episodes_from_tables({**empty, **tables}, at_lsn=lsn):
+            out[view.run_id] = hashlib.sha256(view.serialize()).hexdigest()
+    return out
+
+
+def check(log: EventLog | str, *, episodes: bool = True) -> CheckReport:
+    """Re-fold the log at the state's LSN, cold, and compare every file (by sha256, then
+    row by row to name the first difference) and every episode (by digest)."""
+    log = _as_log(log, None)
+    try:
+        ptr = _state.read_pointer(log)
+    except CorruptionError as exc:
+        return CheckReport(False, None, 0, 0, str(exc))
+    if ptr is None:
+        return CheckReport(False, None, 0, 0, f"no materialized state in {log.root}")
+    if not ptr.usable:
+        return CheckReport(False, ptr.lsn, 0, 0, f"state made by fold {ptr.fold_version} "
+                           f"with other settings or fold (this is fold {FOLD_VERSION})")
+    cold = _state._build_full(log, ptr.lsn)
+    n = 0
+    mine: dict[int, dict[str, pa.Table]] = {}
+    theirs: dict[int, dict[str, pa.Table]] = {}
+    for t in _state.STATE_TABLES:
+        want = {f.chunk: f for f in ptr.tables.get(t, ())}
+        got = cold.tables.get(t, {})
+        for c in sorted(set(want) | set(got)):
+            if c not in got or c not in want:
+                where = "state" if c in want else "re-fold"
+                return CheckReport(False, ptr.lsn, n, 0,
+                                   f"table {t} chunk {c}: only the {where} has it")
+            try:
+                a = _state.read_file(log, want[c])
+            except CorruptionError as exc:
+                return CheckReport(False, ptr.lsn, n, 0, str(exc))
+            b = pq.read_table(pa.py_buffer(cold.data[got[c].path]))
+            n += 1
+            if want[c].sha256 != got[c].sha256:
+                return CheckReport(False, ptr.lsn, n, 0, f"table {t} chunk {c} "
+                                   f"({want[c].path}): {_first_row_difference(a, b)}")
+            if t in ("runs", "branches", "attempts"):
+                mine.setdefault(c, {})[t] = a
+                theirs.setdefault(c, {})[t] = b
+    n_episodes = 0
+    if episodes:
+        a_dig, b_dig = _episode_digests(mine, ptr.lsn), _episode_digests(theirs, ptr.lsn)
+        for run_id in sorted(set(a_dig) | set(b_dig)):
+            if a_dig.get(run_id) != b_dig.get(run_id):
+                return CheckReport(False, ptr.lsn, n, n_episodes,
+                                   f"episode {run_id!r}: state and re-fold serialize "
+                                   "differently")
+            n_episodes += 1
+    return CheckReport(True, ptr.lsn, n, n_episodes, None)
+
+__all__ = ["AttemptView", "BranchView", "CheckReport", "EpisodeView", "check", "episode",
+           "episodes_from_tables"]
