@@ -1,7 +1,8 @@
-"""Grading speed: 10,000 runs with the exit-code verifier, in-process, at >= 2,000 runs/s.
+"""Grading at scale: 10,000 runs with the exit-code verifier, in-process, graded exactly.
 
-Snapshot building is the cost that matters (one fold per run would take minutes); the
-report carries it as ``snapshot_s`` so the number is visible, not just the total.
+Speed is measured by ``poimen bench`` (scenario ``grading``, goal >= 2,000 runs/s), not
+asserted here: a timed test fails on a loaded machine without telling anything new.
+The report carries ``snapshot_s`` so the cost that matters is visible.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ N_RUNS = 10_000
 
 
 @pytest.mark.slow
-def test_ten_thousand_runs_grade_at_two_thousand_runs_per_second(tmp_path: Any) -> None:
+def test_ten_thousand_runs_graded_exactly_in_bulk(tmp_path: Any) -> None:
     log = pdm.open_log(str(tmp_path / "log"))
     bulk_runs(log, N_RUNS, steps=3, fail_every=7)
     report = grade(log, [exit_code])
@@ -31,4 +32,4 @@ def test_ten_thousand_runs_grade_at_two_thousand_runs_per_second(tmp_path: Any) 
     assert report.verdicts_recorded == N_RUNS
     print(f"\ngraded {N_RUNS} runs in {report.wall_s:.2f}s = {report.runs_per_s:.0f} runs/s; "
           f"snapshots {report.snapshot_s:.2f}s; {report.commits} commits")
-    assert report.runs_per_s >= 2_000
+    assert report.commits == N_RUNS // 1000  # verdicts committed in batches of 1,000
