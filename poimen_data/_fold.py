@@ -243,19 +243,19 @@ FROM forks WHERE branch_id <> prior_max + 1
 """
 
 
-def _ordered(body: str, name: str) -> str:
-    return f"{body.strip()}\nORDER BY {', '.join(TABLE_KEYS[name])}\n"
-
-
+_BODIES: dict[str, str] = {
+    "attempts": _ATTEMPTS,
+    "branches": _BRANCHES,
+    "runs": _RUNS,
+    "trajectories": _TRAJECTORIES,
+    "verdicts": _VERDICTS,
+    "reductions": _REDUCTIONS,
+    "anomalies": _ANOMALIES,
+}
 #: name -> the SQL of the view, in an order where each text only names earlier ones.
 VIEW_SQL: dict[str, str] = {
-    "attempts": _ordered(_ATTEMPTS, "attempts"),
-    "branches": _ordered(_BRANCHES, "branches"),
-    "runs": _ordered(_RUNS, "runs"),
-    "trajectories": _ordered(_TRAJECTORIES, "trajectories"),
-    "verdicts": _ordered(_VERDICTS, "verdicts"),
-    "reductions": _ordered(_REDUCTIONS, "reductions"),
-    "anomalies": _ordered(_ANOMALIES, "anomalies"),
+    name: f"{body.strip()}\nORDER BY {', '.join(TABLE_KEYS[name])}\n"
+    for name, body in _BODIES.items()
 }
 VIEWS = ("runs", "branches", "attempts", "trajectories", "verdicts", "reductions", "anomalies")
 #: Tables whose every row belongs to one run (re-folded per run by the materializer).
@@ -278,16 +278,19 @@ def new_connection(events: pa.Table) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def create_fold_tables(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = VIEWS) -> None:
+def create_fold_tables(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = VIEWS, *,
+                       ordered: bool = True) -> None:
     """Run the fold texts into tables registered in ``con`` (whose ``events`` is set).
 
     Each text runs once and later texts read its table, so ``attempts`` is folded once
-    even though ``runs`` and ``trajectories`` build on it.
+    even though ``runs`` and ``trajectories`` build on it. ``ordered=False`` skips the
+    views' ORDER BY, for callers that sort the rows their own way anyway.
     """
     needed = set(names)
     if needed & {"runs", "trajectories"}:
         needed |= {"attempts", "branches"}
-    for name, sql in VIEW_SQL.items():
+    texts = VIEW_SQL if ordered else _BODIES
+    for name, sql in texts.items():
         if name in needed:  # an Arrow result registered back is cheaper than a TEMP TABLE
             con.register(name, con.sql(sql).to_arrow_table())
 

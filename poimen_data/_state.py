@@ -45,7 +45,7 @@ POINTER = "state/_current.json"
 INDEX = "run_index"
 RUNS_PER_CHUNK = 2048
 REDUCTIONS_PER_CHUNK = 65536
-ROW_GROUP_SIZE = 1024
+ROW_GROUP_SIZE = 2048
 PARQUET_OPTIONS: dict[str, Any] = {
     "version": "2.6",
     "data_page_version": "1.0",
@@ -235,7 +235,7 @@ def _build_full(log: EventLog, lsn: int) -> _Build:
     b = _Build()
     con = new_connection(log.read_events(lsn))
     try:
-        create_fold_tables(con)
+        create_fold_tables(con, ordered=False)
         con.execute(f"""CREATE TEMP TABLE _index AS
             SELECT run_id, (row_number() OVER (ORDER BY first_lsn) - 1) // {RUNS_PER_CHUNK}
                    AS chunk, first_lsn
@@ -281,7 +281,7 @@ def _merge_runs(log: EventLog, ptr: Pointer, b: _Build, touched: pa.Array, lsn: 
     lo = min([ptr.lsn + 1, *old_touched.column("first_lsn").to_pylist()])
     con = new_connection(run_events(log, touched.to_pylist(), at_lsn=lsn, min_lsn=lo))
     try:
-        create_fold_tables(con, PER_RUN_TABLES)
+        create_fold_tables(con, PER_RUN_TABLES, ordered=False)
         con.register("_old_index", old_index)
         con.execute(f"""CREATE TEMP TABLE _new_runs AS
             SELECT run_id, {old_index.num_rows} + row_number() OVER (ORDER BY first_lsn) - 1
