@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from . import events as ev
 from ._log import EventLog, open_log
+from .errors import ValidationError
 
 #: Run-level kinds and the run state each one leaves behind (DESIGN section 2).
 RUN_LEVEL_KINDS = ("run_started", "verifying_entered", "branch_forked", "run_finished",
@@ -335,6 +336,8 @@ def connect(
     installed later still sees the calls). The connection is the caller's to close.
     """
     log = _as_log(root_or_log, storage_options)
+    if at_lsn is not None and (isinstance(at_lsn, bool) or not isinstance(at_lsn, int)):
+        raise ValidationError(f"connect: at_lsn must be an int, got {at_lsn!r}")
     events = log.read_events(at_lsn)
     con = new_connection(events)
     for name, sql in VIEW_SQL.items():  # DuckDB binds a view at creation: dependencies first

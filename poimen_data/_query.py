@@ -26,7 +26,7 @@ from ._fold import FOLD_VERSION, _as_log, fold_tables, run_events
 from ._log import EventLog
 from ._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
 from .errors import CorruptionError, NotFound, ValidationError
-from .events import COST_QUANTUM, BlobRef, ContextPartition, ToolInfo, Usage
+from .events import COST_QUANTUM, BlobRef, ContextPartition, ToolInfo, Usage, check_run_id
 
 SOURCES = ("auto", "state", "log")
 #: The tables an episode is built from.
@@ -268,6 +268,7 @@ def episode(
     """
     if source not in SOURCES:
         raise ValidationError(f"source must be one of {SOURCES}, got {source!r}")
+    check_run_id(run_id, "episode")
     log = _as_log(log, None)
     lsn = resolve_lsn(log, at_lsn)
     if source == "log":

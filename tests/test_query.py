@@ -209,6 +209,11 @@ def test_unknown_run_and_bad_lsn(log: pdm.EventLog) -> None:
             pdm.episode(log, "h-1", at_lsn=bad)
     with pytest.raises(pdm.ValidationError):
         pdm.episode(log, "h-1", source="cache")
+    for bad_id in ("", "has space", 7):
+        with pytest.raises(pdm.ValidationError, match="run_id"):
+            pdm.episode(log, bad_id)
+    with pytest.raises(pdm.ValidationError):
+        pdm.connect(log, at_lsn="3")
 
 
 def test_state_serves_only_its_own_lsn_and_auto_tops_up(log: pdm.EventLog) -> None:
