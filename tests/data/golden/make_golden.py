@@ -4,8 +4,9 @@
 
 Every event has a fixed ``ts`` and every body fixed bytes, so the fold of this log is a
 fixed value; tests/test_fold.py pins its digest (tests/data/golden/digest.json), and a
-change of the storage format or of the fold fails that test. Regenerate only on purpose,
-then re-pin with ``pytest tests/test_fold.py --regen-golden`` style care (see the test).
+change of the storage format or of the fold fails that test. Regenerate only on purpose
+(segment names are random, so a regenerated log is new files), then re-pin with
+``.venv/bin/python tests/test_fold.py --pin`` and say in the commit why the digest moved.
 """
 
 from __future__ import annotations
