@@ -270,11 +270,14 @@ FOLD_VERSION = "1-" + hashlib.sha256(
 REF_SQL_TYPE = "STRUCT(tenant VARCHAR, sha256 VARCHAR, size BIGINT)"
 
 
-def new_connection(events: pa.Table) -> duckdb.DuckDBPyConnection:
+def new_connection(events: pa.Table, *, progress: bool = False) -> duckdb.DuckDBPyConnection:
     """A private DuckDB connection with ``events`` registered and the session pinned to
-    UTC (timestamps come back as UTC, whatever the machine's zone)."""
+    UTC (timestamps come back as UTC, whatever the machine's zone). Internal folds print
+    no progress bar (it would land in the middle of a CLI's output)."""
     con = duckdb.connect(":memory:")
     con.execute("SET TimeZone = 'UTC'")
+    if not progress:
+        con.execute("SET enable_progress_bar = false")
     con.register("events", events)
     return con
 
@@ -339,7 +342,7 @@ def connect(
     if at_lsn is not None and (isinstance(at_lsn, bool) or not isinstance(at_lsn, int)):
         raise ValidationError(f"connect: at_lsn must be an int, got {at_lsn!r}")
     events = log.read_events(at_lsn)
-    con = new_connection(events)
+    con = new_connection(events, progress=True)
     for name, sql in VIEW_SQL.items():  # DuckDB binds a view at creation: dependencies first
         con.execute(f"CREATE VIEW {name} AS {sql}")
 

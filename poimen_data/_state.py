@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +48,7 @@ INDEX = "run_index"
 RUNS_PER_CHUNK = 2048
 REDUCTIONS_PER_CHUNK = 65536
 ROW_GROUP_SIZE = 2048
+WRITE_THREADS = min(8, os.cpu_count() or 1)
 PARQUET_OPTIONS: dict[str, Any] = {
     "version": "2.6",
     "data_page_version": "1.0",
@@ -174,8 +177,15 @@ def _split(table: str, sorted_: pa.Table, out: dict[str, bytes]) -> dict[int, Fi
     body = sorted_.drop_columns(["_chunk"])
     starts = np.flatnonzero(np.diff(chunks)) + 1
     bounds = [0, *starts.tolist(), len(chunks)]
-    return {int(chunks[lo]): _entry(table, int(chunks[lo]), body.slice(lo, hi - lo), out)
-            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)}
+
+    def one(lo: int, hi: int) -> FileEntry:
+        return _entry(table, int(chunks[lo]), body.slice(lo, hi - lo), out)
+
+    # Each file's bytes depend on its rows only, so encoding them on threads (pyarrow
+    # releases the GIL) cannot change a byte.
+    with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
+        entries = list(pool.map(one, bounds[:-1], bounds[1:]))
+    return {f.chunk: f for f in entries}
 
 
 def read_file(log: EventLog, f: FileEntry) -> pa.Table:
@@ -342,9 +352,9 @@ def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None) -> Pointer
     tables = {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.chunk))
               for t in STATE_TABLES}
     files = {f.path for e in tables.values() for f in e}
-    for path, data in sorted(b.data.items()):
-        if path in files and path not in have:
-            log.storage.write(path, data)
+    todo = [(p, d) for p, d in sorted(b.data.items()) if p in files and p not in have]
+    with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
+        list(pool.map(lambda pd: log.storage.write(*pd), todo))
     crash_point("state_written")
     try:
         current = read_pointer(log)
