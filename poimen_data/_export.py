@@ -5,19 +5,21 @@ preference ``pairs``.
 The bytes are a pure function of the log at that LSN, so a materialized state and a cold
 re-fold give files with the same sha256: rows come from one SQL query over the fold's
 views with a total order, batches are cut by a pure function of those rows, and every
-writer setting is pinned (``_export_formats``). The export streams: rows arrive from
-DuckDB in Arrow batches, bodies are fetched one batch ahead by a bounded thread pool
-(so S3 latency overlaps), and each batch is written before the next is fetched, so
-memory is bounded by ``batch_size`` and not by the log or its bodies. The file is
-written under a temporary name next to ``dest`` and published at the end, so a failed
-export leaves nothing at ``dest``.
+writer setting is pinned (``_export_formats``). The export streams: rows (refs and
+metadata, never bodies) come from DuckDB in Arrow batches; batch i is written while a
+bounded thread pool fetches batch i+1's bodies (so S3 latency overlaps), and a row is
+written as soon as its own bodies are in. Memory is about 2 x ``batch_size`` (3 x for
+parquet, whose row group is assembled whole) plus a few MiB, whatever the size of the
+log or of its bodies. The file is written under a temporary name next to ``dest`` and
+published at the end, so a failed export leaves nothing at ``dest``.
 
 Rules a consumer must know:
 
 - Records: one per attempt of the live trajectory (inherited attempts below each fork
   point, then the live branch's own), runs by ``run_id``, attempts in the fold's
-  trajectory order (``trajectory_pos``: by ``(step_index NULLS LAST, attempt_no)`` in a
-  well-formed run; inherited before own when an anomaly mixes them). Failed,
+  trajectory order (``TABLE_KEYS["trajectories"]``: recording branch, so inherited
+  before own, then ``(step_index NULLS LAST, attempt_no, step_id)``; in a well-formed
+  run that is simply ``(step_index, attempt_no)``). Failed,
   timed-out, cancelled and still-dispatched attempts are kept with their ``state``
   unless ``only_succeeded``.
 - Bodies are decoded as UTF-8 (invalid bytes become U+FFFD). An attempt with no body
@@ -182,15 +184,21 @@ def export_live(
             "SELECT * FROM export_live ORDER BY run_id, pos"
         runs_total = con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})").fetchall()[0][0]
         reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
-        with Sink(os.fspath(dest), storage_options) as out, \
-                ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export") as pool:
-            writer = WRITERS[format](out, lsn)
-            fetcher = _Fetcher(log, pool)
-            stats = _pump(reader, writer, fetcher, SLOTS[format], batch_size,
-                          lambda runs_done, records: progress(ExportProgress(
-                              runs_done, int(runs_total), records,
-                              out.bytes)) if progress else None)
-            writer.close()
+        total = int(runs_total)
+
+        def report(runs_done: int, records: int) -> None:
+            if progress is not None:
+                progress(ExportProgress(runs_done, total, records, out.bytes))
+
+        pool = ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export")
+        try:
+            with Sink(os.fspath(dest), storage_options) as out:
+                writer = WRITERS[format](out, lsn)
+                stats = _pump(reader, writer, _Fetcher(log, pool), SLOTS[format],
+                              batch_size, report)
+                writer.close()
+        finally:  # after a failure, fetches still queued are dropped, not waited for
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         con.close()
     return ExportReport(out.url, format, used, lsn, stats[0], stats[1], out.bytes,
