@@ -196,11 +196,11 @@ class Sizes:
 FULL = Sizes(reps=3, open_reps=7, bulk_events=1_000_000, object_events=100_000,
              small_commits=200, peer_commits=50, many_commits=10_000, few_commits=10,
              commit_events=100, fold_events=1_000_000, state_runs=100_000, lookups=200,
-             grade_runs=10_000, export_runs=200, s3_commits=30)
+             grade_runs=10_000, export_runs=1_000, s3_commits=30)
 QUICK = Sizes(reps=3, open_reps=5, bulk_events=100_000, object_events=10_000,
-              small_commits=30, peer_commits=10, many_commits=1_000, few_commits=10,
-              commit_events=100, fold_events=60_000, state_runs=3_000, lookups=30,
-              grade_runs=1_000, export_runs=20, s3_commits=6)
+              small_commits=30, peer_commits=10, many_commits=500, few_commits=10,
+              commit_events=100, fold_events=50_000, state_runs=2_000, lookups=30,
+              grade_runs=500, export_runs=20, s3_commits=6)
 
 
 class Ctx:
