@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -356,8 +357,8 @@ class EventLog:
         if t.num_rows != s.rows:
             raise CorruptionError(f"{name}: {t.num_rows} rows, manifest says {s.rows}")
         if not s.has_lsn:
-            lsn = pa.array(range(s.first_lsn, s.first_lsn + s.rows), pa.int64())
-            seq = pa.array([s.seq] * s.rows, pa.int64())
+            lsn = pa.array(np.arange(s.first_lsn, s.first_lsn + s.rows, dtype=np.int64))
+            seq = pa.array(np.full(s.rows, s.seq, dtype=np.int64))
             t = t.add_column(0, ev.LOG_SCHEMA.field("seq"), seq)
             t = t.add_column(0, ev.LOG_SCHEMA.field("lsn"), lsn)
         if t.schema != ev.LOG_SCHEMA:

@@ -22,7 +22,7 @@ import io
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 import pyarrow as pa
@@ -30,7 +30,7 @@ import pyarrow as pa
 from . import events as ev
 from ._log import EventLog, _now_iso
 from ._manifest import Manifest, SegmentInfo, blob_path
-from .errors import LeaseHeld, ValidationError
+from .errors import CorruptionError, LeaseHeld, ValidationError
 
 LEASE = "_lease.json"
 LEASE_TTL_S = 600.0
@@ -144,7 +144,7 @@ class VacuumReport:
     bodies_removed: int = 0
     bytes_removed: int = 0
     kept_young: int = 0  # files left because they are younger than the grace period
-    details: tuple[str, ...] = field(default=())
+    state_files_removed: int = 0  # materialized-state files no pointer names
 
 
 def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
@@ -169,6 +169,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
         staging = st.list_dir("_staging")
         seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
         body_files = [f for f in st.walk_files("blobs")]
+        state_files = [f for f in st.walk_files("state")]
         log.refresh()
         manifests = list(log.manifests())
         committed = {m.txn: m for m in manifests}
@@ -237,8 +238,28 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
                 continue
             nbytes += st.size(p) or 0
             bodies += st.delete(p)
+        state_removed = _vacuum_state(log, state_files, lambda p: old(p, grace))
         log.refresh()
-    return VacuumReport(removed, promoted, segs, bodies, nbytes, young)
+    return VacuumReport(removed, promoted, segs, bodies, nbytes, young,
+                        state_files_removed=state_removed)
+
+
+def _vacuum_state(log: EventLog, files: list[str], old_enough: Callable[[str], bool]) -> int:
+    """Remove materialized-state files that neither the pointer nor the generation it
+    replaced names (a materialize that crashed before publishing leaves such files).
+    Nothing is removed when the pointer cannot be read."""
+    from ._state import POINTER, read_pointer
+
+    try:
+        ptr = read_pointer(log)
+    except CorruptionError:
+        return 0
+    keep = {POINTER} | (ptr.files() | set(ptr.prev_files) if ptr is not None else set())
+    n = 0
+    for f in files:
+        if f not in keep and old_enough(f):
+            n += log.storage.delete(f)
+    return n
 
 
 def _age(ts_iso: str, now: float) -> float:

@@ -191,3 +191,25 @@ def test_race_compaction_while_appending(proc_root: Root, rep: int) -> None:
         "step_index").to_pylist() == list(range(n))
     pdm.vacuum(after, grace=0)
     _assert_consistent(proc_root.open())
+
+
+def test_vacuum_removes_state_files_a_crashed_materialize_left(tmp_path: Path) -> None:
+    from poimen_data import synth
+
+    url = str(tmp_path / "log")
+    log = pdm.open_log(url)
+    synth.generate(log, runs=6, seed=3, batch=8)
+    pdm.materialize(log)
+    kept = sorted(log.storage.walk_files("state"))
+    synth.generate(log, runs=3, seed=4, batch=8, prefix="more")
+    env = dict(os.environ, POIMEN_CRASH_AT="state_written")
+    res = subprocess.run([sys.executable, "-c", "import sys, poimen_data as p; "
+                          "p.materialize(p.open_log(sys.argv[1]))", url],
+                         env=env, capture_output=True, timeout=120)
+    assert res.returncode == 137, res.stderr.decode()[-2000:]
+    orphans = sorted(set(log.storage.walk_files("state")) - set(kept))
+    assert orphans  # the crashed run wrote files no pointer names
+    report = pdm.vacuum(log, grace=0)
+    assert report.state_files_removed == len(orphans)
+    assert sorted(log.storage.walk_files("state")) == kept
+    assert pdm.check(log).ok
