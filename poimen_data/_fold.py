@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -277,7 +278,10 @@ def new_connection(events: pa.Table, *, progress: bool = False) -> duckdb.DuckDB
     con = duckdb.connect(":memory:")
     con.execute("SET TimeZone = 'UTC'")
     if not progress:
-        con.execute("SET enable_progress_bar = false")
+        try:
+            con.execute("SET enable_progress_bar = false")
+        except duckdb.InvalidInputException:
+            pass  # in Jupyter without ipywidgets DuckDB refuses to touch the setting at all
     con.register("events", events)
     return con
 
@@ -342,7 +346,8 @@ def connect(
     if at_lsn is not None and (isinstance(at_lsn, bool) or not isinstance(at_lsn, int)):
         raise ValidationError(f"connect: at_lsn must be an int, got {at_lsn!r}")
     events = log.read_events(at_lsn)
-    con = new_connection(events, progress=True)
+    # a progress bar only on a terminal: in Jupyter DuckDB's bar needs ipywidgets
+    con = new_connection(events, progress=sys.stderr.isatty())
     for name, sql in VIEW_SQL.items():  # DuckDB binds a view at creation: dependencies first
         con.execute(f"CREATE VIEW {name} AS {sql}")
 

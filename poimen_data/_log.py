@@ -14,7 +14,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -52,7 +51,6 @@ CRASH_POINTS = (
 )
 DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
-PARALLEL_HASH_BYTES = 4 << 20
 BlobKey = tuple[str, str]  # (tenant, sha256)
 
 
@@ -705,21 +703,14 @@ class Transaction:
                    for b in m.blobs)
 
     def _write_segment(self, table: pa.Table) -> SegmentInfo:
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_file(sink, table.schema) as w:
-            w.write_table(table)
-        data = sink.getvalue()
+        def fill(sink: Any) -> None:
+            with pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+
         path = f"segments/{self.txn}.arrow"
-        if data.size < PARALLEL_HASH_BYTES:
-            sha = hashlib.sha256(data).hexdigest()
-            self.log.storage.write(path, data)
-        else:  # hashing and the durable write both release the GIL: overlap them
-            with ThreadPoolExecutor(1) as pool:
-                digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
-                self.log.storage.write(path, data)
-                sha = digest.result()
+        size, sha = self.log.storage.write_hashed(path, fill, table.nbytes)
         crash_point("segment_written")
-        return SegmentInfo(path, table.num_rows, data.size, sha, 0, 0)
+        return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
 
     def _manifest(self, seq: int, first: int, seg: SegmentInfo | None,
                   table: pa.Table | None) -> Manifest:

@@ -17,12 +17,11 @@ protocol in ``_log`` keeps them safe from what maintenance removes:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pyarrow as pa
@@ -313,15 +312,15 @@ def compact(log: EventLog, *, target_rows: int = COMPACT_TARGET_ROWS,
         txn = uuid.uuid4().hex
         new: list[SegmentInfo] = []
         for i, g in enumerate(groups):
-            table = pa.concat_tables([log._segment_table(s) for s in g]).combine_chunks()
-            sink = io.BytesIO()
-            with pa.ipc.new_file(sink, ev.LOG_SCHEMA) as w:
-                w.write_table(table.cast(ev.LOG_SCHEMA))
-            data = sink.getvalue()
+            table = pa.concat_tables([log._segment_table(s) for s in g]).cast(ev.LOG_SCHEMA)
+
+            def fill(sink: Any, table: pa.Table = table) -> None:
+                with pa.ipc.new_file(sink, ev.LOG_SCHEMA) as w:
+                    w.write_table(table)
+
             path = f"segments/{txn}-{i:05d}.arrow"
-            log.storage.write(path, data)
-            new.append(SegmentInfo(path, table.num_rows, len(data),
-                                   hashlib.sha256(data).hexdigest(), g[0].first_lsn,
+            size, sha = log.storage.write_hashed(path, fill)
+            new.append(SegmentInfo(path, table.num_rows, size, sha, g[0].first_lsn,
                                    min(s.seq for s in g), has_lsn=True))
         gone = tuple(s.path for g in groups for s in g)
 

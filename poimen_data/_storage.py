@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
 import fsspec.asyn
+import pyarrow as pa
 
 from .errors import NotFound, PoimenError
 
 _MEMORY_LOCK = threading.Lock()
+PARALLEL_HASH_BYTES = 4 << 20  # below this, a thread costs more than the hash it overlaps
 
 
 class Storage:
@@ -35,6 +39,7 @@ class Storage:
         #: storage calls that touch the backend, by operation: how tests prove that
         #: opening a log costs the same whatever its length
         self.calls: collections.Counter[str] = collections.Counter()
+        self._dirs: set[str] = set()  # local directories known to exist (blobs/<t>/<aa>, ...)
         if not isinstance(url, str | os.PathLike) or not str(url):
             raise PoimenError(f"not a storage URL: {url!r}")
         url = os.fspath(url)
@@ -176,6 +181,12 @@ class Storage:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def _makedirs(self, d: str) -> None:
+        if d not in self._dirs:
+            os.makedirs(d, exist_ok=True)
+            if len(self._dirs) < 100_000 and "/_staging" not in d:  # staging dirs come and go
+                self._dirs.add(d)
+
     def _s3(self, op: str, path: str) -> Any:
         """One S3 request for one key (s3fs's file API adds a HEAD, or a LIST on a miss)."""
         bucket, key, _ = self.fs.split_path(path)
@@ -203,7 +214,7 @@ class Storage:
         self._require_writable()
         path = self.full(rel)
         if self.kind == "local":
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._makedirs(os.path.dirname(path))
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             try:
                 with open(tmp, "wb") as f:
@@ -218,6 +229,41 @@ class Storage:
                 raise
             return
         self.fs.pipe_file(path, bytes(data))
+
+    def write_hashed(self, rel: str, fill: Callable[[Any], None],
+                     size_hint: int = 0) -> tuple[int, str]:
+        """Write a whole file by ``fill(sink)``; return its size and sha256.
+
+        Locally the writer streams straight into the file (no in-memory copy), and the
+        hash is taken from the page cache while fsync runs; elsewhere the bytes are
+        assembled in memory and sent in one request.
+        """
+        self._require_writable()
+        if self.kind != "local" or size_hint < PARALLEL_HASH_BYTES:
+            sink = pa.BufferOutputStream()
+            fill(sink)
+            buf = sink.getvalue()
+            self.write(rel, buf)
+            return buf.size, hashlib.sha256(buf).hexdigest()
+        path = self.full(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                fill(f)
+                f.flush()
+                size = f.tell()
+                with open(tmp, "rb") as r, ThreadPoolExecutor(1) as pool:
+                    digest = pool.submit(hashlib.file_digest, r, "sha256")
+                    if self.durable:
+                        os.fsync(f.fileno())
+                    sha = digest.result().hexdigest()
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return size, sha
 
     def put_if_absent(self, rel: str, data: bytes) -> bool:
         """Create ``rel`` with ``data`` unless it exists. True when this call created it.

@@ -678,66 +678,111 @@ def _fail_where(t: pa.Table, where: str, mask: Any, fld: str, msg: str) -> None:
         raise _bad(f"{where} row {i} ({kind})", fld, msg)
 
 
+_REQUIRED_BY: dict[str, frozenset[str]] = {
+    name: frozenset(k for k, req in _REQUIRED.items() if name in req) for name in EVENT_SCHEMA.names
+}
+_MINIMUM = {"branch_id": 0, "step_index": 0, "attempt_no": 1, "parent_branch_id": 0,
+            "fork_step_index": 0, "snapshot_lsn": 1}
+
+
+def _all_match(col: pa.ChunkedArray, pattern: re.Pattern[str]) -> bool:
+    """Whether every non-null value matches: checked on the distinct values only (a log
+    repeats its tenants, run ids and bodies many times)."""
+    values = pc.unique(col.drop_null())
+    return bool(pc.all(pc.match_substring_regex(values, f"^{pattern.pattern}$")).as_py()
+                in (True, None))
+
+
 def _validate_columns(t: pa.Table, where: str) -> None:
+    """The checks of ``validate_event``, one pass per column: a column is only looked at
+    row by row when its null count or its min/max says a row may be at fault."""
     kind = t.column("kind")
-    _fail_where(t, where, pc.invert(pc.is_in(kind, pa.array(KINDS))), "kind",
-                f"must be one of {KINDS}")
+    n = t.num_rows
+    present = set(pc.unique(kind).to_pylist())
+    if not present <= set(KINDS):
+        _fail_where(t, where, pc.invert(pc.is_in(kind, pa.array(KINDS))), "kind",
+                    f"must be one of {KINDS}")
     tenant = t.column("tenant")
-    _fail_where(t, where, pc.invert(pc.match_substring_regex(tenant, f"^{TENANT_RE.pattern}$")),
-                "tenant", f"must match {TENANT_RE.pattern}")
-    not_reduced = pc.not_equal(kind, "blob_reduced")
-    run_ok = pc.match_substring_regex(t.column("run_id"), f"^{RUN_ID_RE.pattern}$")
-    _fail_where(t, where, pc.and_(not_reduced, pc.invert(pc.fill_null(run_ok, False))),
-                "run_id", f"must match {RUN_ID_RE.pattern}")
-    for k, required in _REQUIRED.items():
-        is_k = pc.equal(kind, k)
-        if not pc.any(is_k).as_py():
+    if not _all_match(tenant, TENANT_RE):
+        _fail_where(t, where, pc.invert(pc.match_substring_regex(
+            tenant, f"^{TENANT_RE.pattern}$")), "tenant", f"must match {TENANT_RE.pattern}")
+    run_id = t.column("run_id")
+    if not _all_match(run_id, RUN_ID_RE) or (
+            run_id.null_count and present - {"blob_reduced"}):
+        run_ok = pc.fill_null(pc.match_substring_regex(run_id, f"^{RUN_ID_RE.pattern}$"),
+                              False)
+        if "blob_reduced" in present:
+            run_ok = pc.or_(run_ok, pc.equal(kind, "blob_reduced"))
+        _fail_where(t, where, pc.invert(run_ok), "run_id", f"must match {RUN_ID_RE.pattern}")
+    # Per kind, how many rows carry each column: one grouped pass answers "required" and
+    # "not a field of this kind" for every column; a row is looked for only on a fault.
+    names = [nm for nm in EVENT_SCHEMA.names if nm not in ("ts", "kind", "tenant")]
+    flags = pa.table({"kind": kind, **{nm: pc.is_valid(t.column(nm)) for nm in names}})
+    counts = flags.group_by("kind").aggregate([(nm, "sum") for nm in names]
+                                              + [("kind", "count")])
+    for row in counts.to_pylist():
+        k, total = row["kind"], row["kind_count"]
+        if k not in KIND_COLUMNS:
             continue
-        for name in required:
-            _fail_where(t, where, pc.and_(is_k, pc.is_null(t.column(name))), name,
-                        "is required")
-        for name in EVENT_SCHEMA.names:
-            if name in ("ts", "kind", "tenant") or name in KIND_COLUMNS[k]:
-                continue
-            _fail_where(t, where, pc.and_(is_k, pc.is_valid(t.column(name))), name,
-                        f"is not a field of {k}")
-    for name, minimum in (("branch_id", 0), ("step_index", 0), ("attempt_no", 1),
-                          ("parent_branch_id", 0), ("fork_step_index", 0),
-                          ("snapshot_lsn", 1)):
-        _fail_where(t, where, pc.fill_null(pc.less(t.column(name), minimum), False), name,
-                    f"must be >= {minimum}")
-    forked = pc.equal(kind, "branch_forked")
-    _fail_where(t, where, pc.and_(forked, pc.fill_null(
-        pc.greater_equal(t.column("parent_branch_id"), t.column("branch_id")), False)),
-        "parent_branch_id", "must be lower than branch_id")
-    _fail_where(t, where, pc.and_(forked, pc.fill_null(pc.less(t.column("branch_id"), 1),
-                                                        False)), "branch_id", "must be >= 1")
-    finishing = pc.is_in(kind, pa.array(["attempt_finished", "attempt_recovered"]))
-    _fail_where(t, where, pc.and_(finishing, pc.invert(pc.fill_null(
-        pc.is_in(t.column("state"), pa.array(TERMINAL_ATTEMPT_STATES)), False))), "state",
-        f"must be one of {TERMINAL_ATTEMPT_STATES}")
-    _fail_where(t, where, pc.and_(pc.equal(kind, "run_finished"), pc.invert(pc.fill_null(
-        pc.is_in(t.column("outcome"), pa.array(RUN_OUTCOMES)), False))), "outcome",
-        f"must be one of {RUN_OUTCOMES}")
-    _fail_where(t, where, pc.and_(pc.equal(kind, "verdict_recorded"), pc.invert(pc.fill_null(
-        pc.match_substring_regex(t.column("verifier"), f"^{VERIFIER_RE.pattern}$"), False))),
-        "verifier", "must be 'name@version'")
-    _fail_where(t, where, pc.is_in(t.column("step_id"), pa.array([""])), "step_id",
-                "must be non-empty")
+        for nm in names:
+            have = row[f"{nm}_sum"] or 0
+            if k in _REQUIRED_BY[nm] and have < total:
+                _fail_where(t, where, pc.and_(pc.equal(kind, k), pc.is_null(t.column(nm))),
+                            nm, "is required")
+            if nm not in KIND_COLUMNS[k] and have:
+                _fail_where(t, where, pc.and_(pc.equal(kind, k), pc.is_valid(t.column(nm))),
+                            nm, f"is not a field of {k}")
+    for name in names:
+        col = t.column(name)
+        nulls = col.null_count
+        minimum = _MINIMUM.get(name)
+        if minimum is not None and nulls < n:
+            lo = pc.min_max(col)["min"].as_py()
+            if lo is not None and lo < minimum:
+                _fail_where(t, where, pc.fill_null(pc.less(col, minimum), False), name,
+                            f"must be >= {minimum}")
+    if "branch_forked" in present:
+        forked = pc.equal(kind, "branch_forked")
+        _fail_where(t, where, pc.and_(forked, pc.fill_null(
+            pc.greater_equal(t.column("parent_branch_id"), t.column("branch_id")), False)),
+            "parent_branch_id", "must be lower than branch_id")
+        _fail_where(t, where, pc.and_(forked, pc.fill_null(pc.less(t.column("branch_id"), 1),
+                                                            False)), "branch_id", "must be >= 1")
+    if present & {"attempt_finished", "attempt_recovered"}:
+        _fail_where(t, where, pc.and_(
+            pc.is_in(kind, pa.array(["attempt_finished", "attempt_recovered"])),
+            pc.invert(pc.fill_null(pc.is_in(t.column("state"),
+                                            pa.array(TERMINAL_ATTEMPT_STATES)), False))),
+            "state", f"must be one of {TERMINAL_ATTEMPT_STATES}")
+    if "run_finished" in present:
+        _fail_where(t, where, pc.and_(pc.equal(kind, "run_finished"), pc.invert(pc.fill_null(
+            pc.is_in(t.column("outcome"), pa.array(RUN_OUTCOMES)), False))), "outcome",
+            f"must be one of {RUN_OUTCOMES}")
+    if "verdict_recorded" in present and not _all_match(t.column("verifier"), VERIFIER_RE):
+        _fail_where(t, where, pc.and_(pc.equal(kind, "verdict_recorded"), pc.invert(
+            pc.fill_null(pc.match_substring_regex(t.column("verifier"),
+                                                  f"^{VERIFIER_RE.pattern}$"), False))),
+            "verifier", "must be 'name@version'")
+    step = t.column("step_id")
+    if step.null_count < n and pc.min_max(pc.utf8_length(step))["min"].as_py() == 0:
+        _fail_where(t, where, pc.equal(step, ""), "step_id", "must be non-empty")
     for name in REF_COLUMNS:
         col = t.column(name)
-        valid = pc.is_valid(col)
-        if not pc.any(valid).as_py():
+        if col.null_count == n:
             continue
+        valid = pc.is_valid(col)
         sha = pc.struct_field(col, "sha256")
-        _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
-            pc.match_substring_regex(sha, "^[0-9a-f]{64}$"), False))), name,
-            "sha256 must be 64 lowercase hex digits")
-        _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
-            pc.equal(pc.struct_field(col, "tenant"), tenant), False))), name,
-            "belongs to another tenant than the event")
-        _fail_where(t, where, pc.and_(valid, pc.fill_null(
-            pc.less(pc.struct_field(col, "size"), 0), True)), name, "size must be >= 0")
+        ok = pc.and_(pc.equal(pc.struct_field(col, "tenant"), tenant),
+                     pc.greater_equal(pc.struct_field(col, "size"), 0))
+        bad = pc.and_(valid, pc.invert(pc.fill_null(ok, False)))
+        if pc.any(bad).as_py() or not _all_match(sha, SHA256_RE):
+            _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
+                pc.match_substring_regex(sha, "^[0-9a-f]{64}$"), False))), name,
+                "sha256 must be 64 lowercase hex digits")
+            _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
+                pc.equal(pc.struct_field(col, "tenant"), tenant), False))), name,
+                "belongs to another tenant than the event")
+            _fail_where(t, where, bad, name, "size must be >= 0")
 
 
 def table_refs(t: pa.Table) -> set[BlobRef]:
