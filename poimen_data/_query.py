@@ -110,64 +110,145 @@ def _plain(v: Any) -> Any:
 
 
 # --- rows -> views ------------------------------------------------------------------
+#
+# Views are built column by column (one ``to_pylist`` per leaf column, never a dict per
+# row), and equal nested values (refs, contexts, tools, usages) are built once per table
+# and shared: they are frozen values, so sharing one object changes nothing a caller can
+# observe (``==``, ``repr`` and ``serialize()`` are those of a value built per row).
 
 
-def _ref(d: Mapping[str, Any] | None) -> BlobRef | None:
-    return None if d is None else BlobRef(d["tenant"], d["sha256"], d["size"])
+def _arr(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
-def _attempt(r: Mapping[str, Any]) -> AttemptView:
-    ctx, tools, usage = r["context"], r["tools"], r["usage"]
-    return AttemptView(
-        step=r["step_id"],
-        step_index=r["step_index"],
-        attempt=r["attempt_no"],
-        state=r["state"],
-        workflow_version=r["workflow_version"],
-        context=None if ctx is None else ContextPartition(
-            tuple(ctx["packed"] or ()), tuple(ctx["available"] or ()),
-            tuple(ctx["dropped"] or ())),
-        prompt=_ref(r["prompt"]),
-        output=_ref(r["output"]),
-        tools=None if tools is None else ToolInfo(tuple(tools["calls"] or ())),
-        usage=None if usage is None else Usage(**usage),
-        error=r["error"],
-        first_lsn=r["first_lsn"],
-        last_lsn=r["last_lsn"],
-    )
+def _children(col: pa.ChunkedArray | pa.Array) -> tuple[list[bool], list[pa.Array]]:
+    """(valid per row, each child with the struct's nulls applied) of a struct column."""
+    arr = _arr(col)
+    return arr.is_valid().to_pylist(), arr.flatten()
+
+
+def _keys(arr: pa.Array) -> tuple[list[Any], list[Any]]:
+    """(key per row, value per key) of a primitive column: the keys are the indices of a
+    dictionary encoding (None for null), so equal keys mean values Arrow finds identical
+    (floats by bit pattern: 0.0 and -0.0 stay apart)."""
+    enc = pc.dictionary_encode(arr)
+    return enc.indices.to_pylist(), enc.dictionary.to_pylist()
+
+
+def _lists(arr: pa.Array) -> list[tuple[Any, ...]]:
+    """A list<...> column as one tuple per row (a null list gives ())."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if not len(arr):
+        return []
+    offsets = arr.offsets.to_pylist()
+    lo, hi = offsets[0], offsets[-1]
+    values = arr.values.slice(lo, hi - lo).to_pylist()
+    valid = arr.is_valid().to_pylist()
+    return [tuple(values[a - lo:b - lo]) if v else ()
+            for v, a, b in zip(valid, offsets, offsets[1:], strict=False)]
+
+
+def _interned(valid: list[bool], keys: Any, make: Any) -> list[Any]:
+    """``make(*key)`` per valid row, None per null one, one object per distinct key."""
+    cache: dict[Any, Any] = {}
+    out = []
+    append = out.append
+    for v, k in zip(valid, keys, strict=True):
+        if not v:
+            append(None)
+            continue
+        obj = cache.get(k)
+        if obj is None:
+            obj = cache[k] = make(*k)
+        append(obj)
+    return out
+
+
+def _refs(col: pa.ChunkedArray) -> list[BlobRef | None]:
+    valid, (tenant, sha, size) = _children(col)
+    return _interned(valid, zip(tenant.to_pylist(), sha.to_pylist(), size.to_pylist(),
+                                strict=True), BlobRef)
+
+
+def _contexts(col: pa.ChunkedArray) -> list[ContextPartition | None]:
+    valid, (packed, available, dropped) = _children(col)
+    return _interned(valid, zip(_lists(packed), _lists(available), _lists(dropped),
+                                strict=True), ContextPartition)
+
+
+def _tools(col: pa.ChunkedArray) -> list[ToolInfo | None]:
+    valid, (calls,) = _children(col)
+    return _interned(valid, ((c,) for c in _lists(calls)), ToolInfo)
+
+
+def _usages(col: pa.ChunkedArray) -> list[Usage | None]:
+    valid, children = _children(col)
+    encoded = [_keys(c) for c in children]
+    names = [f.name for f in _arr(col).type]
+    values = [vals for _k, vals in encoded]
+
+    def make(*key: int | None) -> Usage:
+        return Usage(**{n: None if k is None else vals[k]
+                        for n, k, vals in zip(names, key, values, strict=True)})
+
+    return _interned(valid, zip(*(k for k, _v in encoded), strict=True), make)
+
+
+def _attempt_views(attempts: pa.Table) -> list[AttemptView]:
+    """One ``AttemptView`` per row of an ``attempts`` table, in row order."""
+    c = attempts.column
+    return list(map(
+        AttemptView, c("step_id").to_pylist(), c("step_index").to_pylist(),
+        c("attempt_no").to_pylist(), c("state").to_pylist(),
+        c("workflow_version").to_pylist(), _contexts(c("context")), _refs(c("prompt")),
+        _refs(c("output")), _tools(c("tools")), _usages(c("usage")),
+        c("error").to_pylist(), c("first_lsn").to_pylist(), c("last_lsn").to_pylist()))
+
+
+def _groups(*cols: list[Any]) -> dict[Any, tuple[int, int]]:
+    """key -> (first row, end row) of each run of equal keys in rows sorted by key (the
+    first run of a key wins, as the sorted merge this replaces would)."""
+    out: dict[Any, tuple[int, int]] = {}
+    keys = list(zip(*cols, strict=True)) if len(cols) > 1 else cols[0]
+    n = len(keys)
+    lo = 0
+    for i in range(1, n + 1):
+        if i == n or keys[i] != keys[lo]:
+            out.setdefault(keys[lo], (lo, i))
+            lo = i
+    return out
 
 
 def episodes_from_tables(tables: Mapping[str, pa.Table], *, at_lsn: int,
-                         all_branches: bool = True) -> Iterator[EpisodeView]:
+                         all_branches: bool = True,
+                         lsn_of: Mapping[str, int] | None = None) -> Iterator[EpisodeView]:
     """Build one view per row of ``runs`` from fold tables sorted as ``TABLE_KEYS`` says
-    (the views' order and the state's order), in run_id order."""
-    branches = tables["branches"].to_pylist()
-    attempts = tables["attempts"].to_pylist()
-    bi = ai = 0
-    for run in tables["runs"].to_pylist():
-        run_id = run["run_id"]
-        while bi < len(branches) and branches[bi]["run_id"] < run_id:
-            bi += 1
-        while ai < len(attempts) and attempts[ai]["run_id"] < run_id:
-            ai += 1
-        views = []
-        while bi < len(branches) and branches[bi]["run_id"] == run_id:
-            b = branches[bi]
-            while (ai < len(attempts) and attempts[ai]["run_id"] == run_id
-                   and attempts[ai]["branch_id"] < b["branch_id"]):
-                ai += 1  # an attempt on a branch no fork created (listed in anomalies)
-            own = []
-            while (ai < len(attempts) and attempts[ai]["run_id"] == run_id
-                   and attempts[ai]["branch_id"] == b["branch_id"]):
-                own.append(_attempt(attempts[ai]))
-                ai += 1
-            if all_branches or b["is_live"]:
-                views.append(BranchView(b["branch_id"], b["parent_branch_id"],
-                                        b["fork_step_index"], b["fork_lsn"], b["is_live"],
-                                        tuple(own)))
-            bi += 1
-        yield EpisodeView(run_id, run["tenant"], run["workflow_version"], run["state"],
-                          run["live_branch"], at_lsn, tuple(views))
+    (the views' order and the state's order), in run_id order. ``lsn_of`` gives a run
+    its own ``at_lsn`` (runs it does not name get ``at_lsn``)."""
+    att, br, runs = tables["attempts"], tables["branches"], tables["runs"]
+    views = _attempt_views(att)
+    own = _groups(att.column("run_id").to_pylist(), att.column("branch_id").to_pylist())
+    b_run = br.column("run_id").to_pylist()
+    b_id = br.column("branch_id").to_pylist()
+    b_rows = zip(b_run, b_id, br.column("parent_branch_id").to_pylist(),
+                 br.column("fork_step_index").to_pylist(), br.column("fork_lsn").to_pylist(),
+                 br.column("is_live").to_pylist(), strict=True)
+    by_run: dict[str, list[BranchView]] = {}
+    for run_id, branch_id, parent, fork_step, fork_lsn, is_live in b_rows:
+        got = by_run.setdefault(run_id, [])
+        if all_branches or is_live:
+            span = own.get((run_id, branch_id))
+            got.append(BranchView(branch_id, parent, fork_step, fork_lsn, is_live,
+                                  tuple(views[span[0]:span[1]]) if span else ()))
+    r = runs.column
+    for run_id, tenant, version, state, live in zip(
+            r("run_id").to_pylist(), r("tenant").to_pylist(),
+            r("workflow_version").to_pylist(), r("state").to_pylist(),
+            r("live_branch").to_pylist(), strict=True):
+        lsn = at_lsn if lsn_of is None else lsn_of.get(run_id, at_lsn)
+        yield EpisodeView(run_id, tenant, version, state, live, lsn,
+                          tuple(by_run.get(run_id, ())))
 
 
 def one_episode(tables: Mapping[str, pa.Table], run_id: str, *, at_lsn: int,
