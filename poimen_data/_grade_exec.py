@@ -40,7 +40,7 @@ def _snapshots(log: EventLog, tasks: Sequence[_Task]) -> dict[str, EpisodeView]:
     import pyarrow.compute as pc
 
     from ._fold import fold_tables
-    from ._query import EPISODE_TABLES, EpisodeView, episodes_from_tables
+    from ._query import EPISODE_TABLES, episodes_from_tables
 
     cut = {t.run_id: t.snapshot_lsn for t in tasks}
     events = log.read_events(at_lsn=max(cut.values()))
@@ -51,10 +51,7 @@ def _snapshots(log: EventLog, tasks: Sequence[_Task]) -> dict[str, EpisodeView]:
     limit = pc.take(pa.array(list(cut.values()), pa.int64()), slot)
     keep = pc.fill_null(pc.less_equal(events.column("lsn").combine_chunks(), limit), False)
     tables = fold_tables(events.take(pc.indices_nonzero(keep)), EPISODE_TABLES)
-    out = {}
-    for v in episodes_from_tables(tables, at_lsn=0, all_branches=True):
-        out[v.run_id] = EpisodeView(v.run_id, v.tenant, v.workflow_version, v.state,
-                                    v.live_branch, cut[v.run_id], v.branches)
+    out = {v.run_id: v for v in episodes_from_tables(tables, at_lsn=0, lsn_of=cut)}
     missing = set(cut) - set(out)
     if missing:
         raise NotFound(f"grade: no events for run {sorted(missing)[0]!r} at its snapshot")

@@ -10,6 +10,7 @@ what ``check()`` does for every episode (and for every state file, by sha256).
 from __future__ import annotations
 
 import hashlib
+import html
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from .errors import CorruptionError, NotFound, ValidationError
 from .events import COST_QUANTUM, BlobRef, ContextPartition, ToolInfo, Usage, check_run_id
 
 SOURCES = ("auto", "state", "log")
+#: Attempt states that count as failures (as ``runs.n_failed_attempts`` counts them).
+FAILED_STATES = ("failed", "timed_out")
+#: Failed attempts a repr names per branch before it says how many more.
+REPR_FAILED = 5
 #: The tables an episode is built from.
 EPISODE_TABLES = ("runs", "branches", "attempts")
 
@@ -91,6 +96,63 @@ class EpisodeView:
             if b.is_live:
                 return b
         return None
+
+    def __repr__(self) -> str:
+        """A header line, then one line per branch: its attempts, how many failed and
+        which (step#attempt=state). Reads fields only, never a blob."""
+        lines = [f"EpisodeView(run {self.run_id!r}, tenant {self.tenant!r}, workflow "
+                 f"{self.workflow_version!r}, state {self.state!r}, live branch "
+                 f"{self.live_branch}, at lsn {self.at_lsn}, {len(self.branches)} "
+                 f"branch{'' if len(self.branches) == 1 else 'es'})"]
+        for b in self.branches:
+            failed = [a for a in b.attempts if a.state in FAILED_STATES]
+            where = [] if b.parent_branch_id is None else [
+                f"from branch {b.parent_branch_id} at step {b.fork_step_index}"]
+            head = ", ".join((["live"] if b.is_live else []) + where)
+            line = (f"  branch {b.branch_id}{f' ({head})' if head else ''}: "
+                    f"{len(b.attempts)} attempt{'' if len(b.attempts) == 1 else 's'}, "
+                    f"{len(failed)} failed")
+            if failed:
+                shown = ", ".join(f"{a.step}#{a.attempt}={a.state}"
+                                  for a in failed[:REPR_FAILED])
+                more = len(failed) - REPR_FAILED
+                line += f" ({shown}{f', +{more} more' if more > 0 else ''})"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """For notebooks: a table of attempts by branch, failed ones marked. Reads
+        fields only, never a blob (a ref shows as its size)."""
+        e = html.escape
+        head = (f"<p><b>run {e(self.run_id)}</b> &middot; tenant {e(str(self.tenant))} "
+                f"&middot; workflow {e(str(self.workflow_version))} &middot; state "
+                f"{e(str(self.state))} &middot; live branch {self.live_branch} &middot; "
+                f"at lsn {self.at_lsn}</p>")
+        cols = ("branch", "step", "index", "attempt", "state", "error", "prompt", "output",
+                "lsn")
+        rows = []
+        for b in self.branches:
+            label = f"{b.branch_id}{' (live)' if b.is_live else ''}"
+            if b.parent_branch_id is not None:
+                label += f" &larr; {b.parent_branch_id}@{b.fork_step_index}"
+            if not b.attempts:
+                rows.append(f'<tr><td>{label}</td><td colspan="{len(cols) - 1}">'
+                            "<i>no attempts</i></td></tr>")
+            for a in b.attempts:
+                bad = a.state in FAILED_STATES
+                cells = (label, e(a.step), "" if a.step_index is None else a.step_index,
+                         a.attempt, ("&#10007; " if bad else "") + e(a.state),
+                         e(a.error or ""), _size(a.prompt), _size(a.output),
+                         f"{a.first_lsn}&ndash;{a.last_lsn}")
+                style = ' class="failed" style="background-color: #fdd"' if bad else ""
+                rows.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells)
+                            + "</tr>")
+        return (head + "<table><thead><tr>" + "".join(f"<th>{c}</th>" for c in cols)
+                + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
+def _size(ref: BlobRef | None) -> str:
+    return "" if ref is None else f"{ref.size:,} B"
 
 
 def _plain(v: Any) -> Any:

@@ -269,3 +269,132 @@ def test_on_memory_storage() -> None:
                 [("prompt h-1/0/code/1",), ("prompt h-1/0/code/2",)]
     finally:
         log.storage.delete_tree("")
+
+
+def test_repr_names_each_branch_its_attempts_and_failures_without_reading_a_blob(
+        log: pdm.EventLog) -> None:
+    harness(log)
+    counting = CountingBlobs(log.blobs)
+    log.blobs = counting
+    view = pdm.episode(log, "h-1", all_branches=True)
+    assert repr(view) == (
+        "EpisodeView(run 'h-1', tenant 'acme', workflow 'wf-1', state 'verifying', "
+        "live branch 1, at lsn 16, 2 branches)\n"
+        "  branch 0: 5 attempts, 2 failed (code#1=failed, code#2=failed)\n"
+        "  branch 1 (live, from branch 0 at step 2): 1 attempt, 0 failed")
+    assert repr(pdm.episode(log, "h-1")) == (
+        "EpisodeView(run 'h-1', tenant 'acme', workflow 'wf-1', state 'verifying', "
+        "live branch 1, at lsn 16, 1 branch)\n"
+        "  branch 1 (live, from branch 0 at step 2): 1 attempt, 0 failed")
+    for n in range(2, 9):  # more failures than a line names
+        attempt(log, "h-1", 1, "test", 2, n, "timed_out" if n % 2 else "failed")
+    assert repr(pdm.episode(log, "h-1")).splitlines()[1] == (
+        "  branch 1 (live, from branch 0 at step 2): 8 attempts, 7 failed (test#2=failed, "
+        "test#3=timed_out, test#4=failed, test#5=timed_out, test#6=failed, +2 more)")
+    assert counting.gets == 0
+
+
+def test_repr_html_is_a_table_of_attempts_by_branch_failed_ones_marked(
+        log: pdm.EventLog) -> None:
+    harness(log)
+    counting = CountingBlobs(log.blobs)
+    log.blobs = counting
+    html = pdm.episode(log, "h-1", all_branches=True)._repr_html_()
+    ok = ("<tr><td>{b}</td><td>{s}</td><td>{i}</td><td>{n}</td><td>succeeded</td><td></td>"
+          "<td>19 B</td><td>19 B</td><td>{lo}&ndash;{hi}</td></tr>")
+    bad = ('<tr class="failed" style="background-color: #fdd"><td>0</td><td>code</td>'
+           "<td>1</td><td>{n}</td><td>&#10007; failed</td><td>tests failed</td><td>19 B</td>"
+           "<td>19 B</td><td>{lo}&ndash;{hi}</td></tr>")
+    assert html == (
+        "<p><b>run h-1</b> &middot; tenant acme &middot; workflow wf-1 &middot; state "
+        "verifying &middot; live branch 1 &middot; at lsn 16</p><table><thead><tr>"
+        "<th>branch</th><th>step</th><th>index</th><th>attempt</th><th>state</th>"
+        "<th>error</th><th>prompt</th><th>output</th><th>lsn</th></tr></thead><tbody>"
+        + ok.format(b=0, s="plan", i=0, n=1, lo=2, hi=3)
+        + bad.format(n=1, lo=4, hi=5) + bad.format(n=2, lo=6, hi=7)
+        + ok.format(b=0, s="code", i=1, n=3, lo=8, hi=9)
+        + ok.format(b=0, s="test", i=2, n=1, lo=10, hi=11)
+        + ok.format(b="1 (live) &larr; 0@2", s="test", i=2, n=1, lo=14, hi=15)
+        + "</tbody></table>")
+    assert counting.gets == 0
+
+
+def _row_wise(r: dict) -> pdm.AttemptView:
+    """The per-row conversion the column-wise builder replaced: the reference it must
+    equal, value for value and spelling for spelling."""
+    ctx, tools, usage = r["context"], r["tools"], r["usage"]
+
+    def ref(d: dict | None) -> pdm.BlobRef | None:
+        return None if d is None else pdm.BlobRef(d["tenant"], d["sha256"], d["size"])
+
+    return pdm.AttemptView(
+        r["step_id"], r["step_index"], r["attempt_no"], r["state"], r["workflow_version"],
+        None if ctx is None else ev.ContextPartition(
+            tuple(ctx["packed"] or ()), tuple(ctx["available"] or ()),
+            tuple(ctx["dropped"] or ())),
+        ref(r["prompt"]), ref(r["output"]),
+        None if tools is None else ev.ToolInfo(tuple(tools["calls"] or ())),
+        None if usage is None else ev.Usage(**usage), r["error"], r["first_lsn"],
+        r["last_lsn"])
+
+
+def test_views_built_column_wise_equal_the_row_wise_conversion() -> None:
+    """Nulls at every level, -0.0 next to 0.0, equal values shared, sliced and chunked
+    tables: each attempt equals (``==`` and ``repr``) the per-row conversion."""
+    import pyarrow as pa
+
+    from poimen_data._query import episodes_from_tables
+
+    usage = {"input_tokens": 5, "output_tokens": None, "cache_read_input_tokens": 0,
+             "reasoning_tokens": None, "cost_usd": Decimal("0.1"), "latency_ms": 0.0}
+    values = {
+        "context": [None, {"packed": None, "available": ["a"], "dropped": []},
+                    {"packed": ["a", "b"], "available": [], "dropped": ["x"]},
+                    {"packed": ["a,b"], "available": None, "dropped": [""]}],
+        "prompt": [None, {"tenant": "t", "sha256": "a" * 64, "size": 3},
+                   {"tenant": "t", "sha256": "b" * 64, "size": 3},
+                   {"tenant": None, "sha256": None, "size": None}],
+        "tools": [None, {"calls": None}, {"calls": []}, {"calls": ["s", "s"]}],
+        "usage": [None, usage, {**usage, "latency_ms": -0.0},
+                  {**usage, "cost_usd": None, "input_tokens": None}],
+    }
+    rows = [{"run_id": f"r{k // 30}", "tenant": "t", "branch_id": k // 10 % 3,
+             "step_id": f"s{k % 3}", "step_index": None if k % 7 == 0 else k % 10,
+             "attempt_no": k, "state": ("failed", "succeeded")[k % 2],
+             "workflow_version": None if k % 5 else "w",
+             "context": values["context"][k % 4], "prompt": values["prompt"][k * 3 % 4],
+             "output": values["prompt"][k % 4], "tools": values["tools"][k * 5 % 4],
+             "usage": values["usage"][k * 7 % 4], "error": None if k % 2 else "boom",
+             "recovered": False, "first_lsn": k, "last_lsn": k + 1} for k in range(90)]
+    schemas = _state.table_schemas()
+    attempts = pa.Table.from_pylist(rows, schema=schemas["attempts"])
+    branches = pa.Table.from_pylist(
+        [{"run_id": f"r{r}", "branch_id": b, "parent_branch_id": b - 1 if b else None,
+          "fork_step_index": 3 if b else None, "fork_lsn": 9 if b else None,
+          "is_live": b == 1} for r in range(3) for b in (0, 1) if (r, b) != (1, 0)],
+        schema=schemas["branches"])
+    runs = pa.Table.from_pylist(
+        [{"run_id": f"r{r}", "tenant": "t", "workflow_version": "w", "state": "verifying",
+          "live_branch": 1} for r in range(4)], schema=schemas["runs"])
+    chunked = pa.concat_tables([attempts.slice(0, 17), attempts.slice(17, 40),
+                                attempts.slice(57)])
+    built = {}
+    for name, att in (("whole", attempts), ("chunked", chunked), ("sliced", attempts.slice(31))):
+        views = built[name] = list(episodes_from_tables(
+            {"runs": runs, "branches": branches, "attempts": att}, at_lsn=5))
+        want: dict[tuple[str, int], list[pdm.AttemptView]] = {}
+        for r in att.to_pylist():
+            want.setdefault((r["run_id"], r["branch_id"]), []).append(_row_wise(r))
+        got = {(v.run_id, b.branch_id): list(b.attempts) for v in views for b in v.branches}
+        for key, held in got.items():
+            expected = want.get(key, [])
+            assert held == expected and repr(held) == repr(expected), (name, key)
+        assert [v.run_id for v in views] == ["r0", "r1", "r2", "r3"]
+        assert ("r1", 0) not in got  # attempts on a branch no fork created: left out
+        assert views[3].branches == ()  # a run without branch rows
+    every = [a for v in built["whole"] for b in v.branches for a in b.attempts]
+    shared = [a.usage for a in every
+              if a.usage == ev.Usage(**usage) and str(a.usage.latency_ms) == "0.0"]
+    assert len(shared) > 1 and len({id(u) for u in shared}) == 1  # built once, shared
+    assert {repr(a.usage.latency_ms) for a in every
+            if a.usage is not None and a.usage.latency_ms == 0.0} == {"0.0", "-0.0"}
