@@ -9,11 +9,14 @@ rolled forward by the next open. See README "Storage format" for the whole proto
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -58,6 +61,19 @@ def crash_point(name: str) -> None:
     """Die here (``os._exit(137)``) when ``POIMEN_CRASH_AT`` names this point (crash tests)."""
     if os.environ.get("POIMEN_CRASH_AT") == name:
         os._exit(137)
+
+
+_LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    """Finish background promotions before the interpreter exits."""
+    for log in list(_LIVE_LOGS):
+        try:
+            log.flush()
+        except Exception:  # noqa: BLE001 - the next open rolls forward what is left
+            pass
 
 
 def _utcnow() -> datetime:
@@ -200,6 +216,8 @@ class EventLog:
         self._lock = threading.RLock()
         self._state = _State()
         self._tables: dict[str, pa.Table] = {}
+        self._promoter: ThreadPoolExecutor | None = None
+        self._promotions: list[Future[None]] = []
         self.blobs = FsBlobStore(self)
         self._load()
 
@@ -322,7 +340,11 @@ class EventLog:
             return False
         if staged is not None and key in self._state.recommitted:
             return self.storage.exists(staged)
-        return self.storage.exists(blob_path(*key))
+        if self.storage.exists(blob_path(*key)):
+            return True
+        # committed but not promoted yet (promotion runs in the background on S3)
+        return staged is not None and (self.storage.exists(staged)
+                                       or self.storage.exists(blob_path(*key)))
 
     # -- transactions -------------------------------------------------------------
 
@@ -441,6 +463,37 @@ class EventLog:
                         "staging and from blobs/"
                     ) from None
 
+    def _after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
+        """Promote a just-published commit's bodies. On local disk that is a few renames,
+        done now; on an object store it is a copy and a delete per body, done on a
+        background thread so the commit returns at its publish (readers find the bodies
+        in staging meanwhile, and the next open rolls forward what a crash left)."""
+        if not any(b.staged for b in m.blobs):
+            crash_point("blobs_promoted")
+            return
+        if self.storage.kind != "s3":
+            self._promote_commit(m, keep_staging)
+            return
+        with self._lock:
+            if self._promoter is None:
+                self._promoter = ThreadPoolExecutor(1, thread_name_prefix="poimen-promote")
+                _LIVE_LOGS.add(self)
+            self._promotions.append(self._promoter.submit(self._promote_commit, m,
+                                                          keep_staging))
+
+    def _promote_commit(self, m: Manifest, keep_staging: bool) -> None:
+        self._promote(m)
+        if self.storage.kind != "s3" and not keep_staging:  # S3 has no directories
+            self.storage.delete_tree(f"_staging/{m.txn}")
+        crash_point("blobs_promoted")
+
+    def flush(self) -> None:
+        """Wait until every body this process committed is promoted to ``blobs/``."""
+        with self._lock:
+            pending, self._promotions = self._promotions, []
+        for f in pending:
+            f.result()
+
     def _roll_forward(self) -> int:
         """Promote bodies of committed manifests whose writer died before promoting them."""
         names = self.storage.list_dir("_staging")
@@ -469,6 +522,7 @@ class EventLog:
     def write_checkpoint(self, seq: int | None = None) -> int:
         """Write a checkpoint of the state at ``seq`` (default: head) once every commit it
         covers is promoted; point ``_last_checkpoint.json`` at it."""
+        self.flush()
         with self._lock:
             self.refresh()
             st = self._state
@@ -497,9 +551,13 @@ class EventLog:
 
     def _publish(self, make: Any, txn: str) -> Manifest:
         """Publish the manifest ``make(seq, first_lsn)`` at the next free seq."""
-        for _ in range(MAX_COMMIT_ATTEMPTS):
+        for attempt in range(MAX_COMMIT_ATTEMPTS):
             with self._lock:
-                self.refresh()
+                # Optimistic first try at the head we know: if another commit took that
+                # seq, put-if-absent fails and we read what we missed; if it succeeds,
+                # no manifest existed that we had not read.
+                if attempt:
+                    self.refresh()
                 seq, first = self._state.seq + 1, self._state.lsn + 1
                 m: Manifest = make(seq, first)
                 name = manifest_path(seq)
@@ -690,10 +748,7 @@ class Transaction:
             raise
         self._done = True
         crash_point("manifest_published")
-        self.log._promote(m)
-        if not self._has_kept_staging(m):
-            self.log.storage.delete_tree(f"_staging/{self.txn}")
-        crash_point("blobs_promoted")
+        self.log._after_publish(m, keep_staging=self._has_kept_staging(m))
         self.log._maybe_checkpoint(m.seq)
         self.commit_info = CommitInfo(m.seq, m.first_lsn, m.last_lsn)
         return self.commit_info

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -187,12 +186,12 @@ class Storage:
             if len(self._dirs) < 100_000 and "/_staging" not in d:  # staging dirs come and go
                 self._dirs.add(d)
 
-    def _s3(self, op: str, path: str) -> Any:
+    def _s3(self, op: str, path: str, **kw: Any) -> Any:
         """One S3 request for one key (s3fs's file API adds a HEAD, or a LIST on a miss)."""
         bucket, key, _ = self.fs.split_path(path)
 
         async def call() -> Any:
-            resp = await self.fs._call_s3(op, Bucket=bucket, Key=key)
+            resp = await self.fs._call_s3(op, Bucket=bucket, Key=key, **kw)
             if op != "get_object":
                 return resp
             body = resp["Body"]
@@ -308,15 +307,17 @@ class Storage:
             raise
         return True
 
-    def delete(self, rel: str) -> bool:
-        """Remove one file; False when it was already gone."""
+    def delete(self, rel: str, *, check: bool = True) -> bool:
+        """Remove one file; False when it was already gone. ``check=False`` spares the
+        existence probe on object stores (which delete a missing key silently) and then
+        always answers True."""
         self._require_writable()
         path = self.full(rel)
         try:
             if self.kind == "local":
                 os.unlink(path)
             else:
-                if not self.fs.exists(path):
+                if check and not self.exists(rel):
                     return False
                 self.fs.rm_file(path)
         except FileNotFoundError:
@@ -349,11 +350,8 @@ class Storage:
                 os.makedirs(os.path.dirname(dpath), exist_ok=True)
                 os.replace(self.full(src), dpath)
             return
-        if not self.exists(dst):
-            self.copy(src, dst)
-        elif not self.exists(src):
-            raise NotFound(f"no such file: {self.url_of(src)}")
-        self.delete(src)
+        self.copy(src, dst)  # content-addressed: replacing dst changes no byte
+        self.delete(src, check=False)
 
     def copy(self, src: str, dst: str) -> None:
         """Copy ``src`` to ``dst`` atomically for readers of ``dst``."""
@@ -369,12 +367,14 @@ class Storage:
             os.replace(tmp, dpath)
             return
         try:
-            self.fs.copy(self.full(src), self.full(dst))
+            if self.kind == "s3":  # one server-side COPY (s3fs's copy lists and HEADs first)
+                bucket, key, _ = self.fs.split_path(self.full(src))
+                self._s3("copy_object", self.full(dst),
+                         CopySource={"Bucket": bucket, "Key": key})
+            else:
+                self.fs.copy(self.full(src), self.full(dst))
         except FileNotFoundError:
             raise NotFound(f"no such file: {self.url_of(src)}") from None
-
-    def now(self) -> float:
-        return time.time()
 
 
 def _fsync_dir(d: str) -> None:

@@ -72,6 +72,8 @@ def root(request: pytest.FixtureRequest, tmp_path: Any) -> Root:
 
 
 def snapshot_files(log: pdm.EventLog) -> dict[str, bytes]:
-    """Every file under the root with its bytes (to prove storage is unchanged)."""
+    """Every file under the root with its bytes (to prove storage is unchanged), once the
+    background promotions of this process are done."""
+    log.flush()
     st = log.storage
     return {f: st.read(f) for f in sorted(st.walk_files(""))}

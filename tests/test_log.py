@@ -66,6 +66,7 @@ def test_reused_body_is_not_uploaded_again(root: Root) -> None:
     out_sha = hashlib.sha256("sortie: ça marche ✓".encode()).hexdigest()
     assert by_staged[out_sha] is None  # reused, not staged
     assert sum(1 for s in by_staged.values() if s is not None) == 1
+    log.flush()
     bodies = [f for f in log.storage.walk_files("blobs")]
     assert len(bodies) == 3
 
@@ -85,6 +86,7 @@ def test_same_body_two_tenants_is_two_objects_and_refs_do_not_cross(root: Root) 
     log = root.open()
     a = log.blobs.put("acme", b"same bytes")
     b = log.blobs.put("globex", b"same bytes")
+    log.flush()
     assert a.sha256 == b.sha256 and a.tenant != b.tenant
     assert log.storage.exists(blob_path("acme", a.sha256))
     assert log.storage.exists(blob_path("globex", b.sha256))
@@ -211,6 +213,7 @@ def test_damaged_manifest_and_body_are_corruption(root: Root) -> None:
 def test_damaged_body_is_corruption(root: Root) -> None:
     log = root.open()
     ref = log.blobs.put("acme", b"precious body")
+    log.flush()
     log.storage.write(blob_path("acme", ref.sha256), b"precious bodz")
     with pytest.raises(pdm.CorruptionError, match=ref.sha256):
         root.open().blobs.get(ref)
