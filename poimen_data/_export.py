@@ -177,35 +177,40 @@ def export_live(
     lsn = head if at_lsn is None else at_lsn
     if type(lsn) is not int or not 0 <= lsn <= head:
         raise ValidationError(f"export: at_lsn {at_lsn!r} is outside 0..{head}")
-    con, used = _connect(log, source, lsn)
+    pool = ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export")
+    fetcher = _Fetcher(log, pool)
     try:
-        _select(con, runs, only_succeeded)
-        query = _PAIRS_SQL if format == "pairs" else \
-            "SELECT * FROM export_live ORDER BY run_id, pos"
-        runs_total = con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})").fetchall()[0][0]
-        reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
-        total = int(runs_total)
-
-        def report(runs_done: int, records: int) -> None:
-            if progress is not None:
-                progress(ExportProgress(runs_done, total, records, out.bytes))
-
-        pool = ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export")
+        # while the log is folded, the pool reads the bodies the first batch most likely
+        # needs (formats whose rows are attempts; pairs are too few to guess)
+        ahead = None if format == "pairs" else \
+            (lambda events: fetcher.prefetch(events, runs, batch_size))
+        con, used = _connect(log, source, lsn, ahead)
         try:
+            _select(con, runs, only_succeeded)
+            query = _PAIRS_SQL if format == "pairs" else \
+                "SELECT * FROM export_live ORDER BY run_id, pos"
+            total = int(con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})"
+                                ).fetchall()[0][0])
+            reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
+
+            def report(runs_done: int, records: int) -> None:
+                if progress is not None:
+                    progress(ExportProgress(runs_done, total, records, out.bytes))
+
             with Sink(os.fspath(dest), storage_options) as out:
                 writer = WRITERS[format](out, lsn)
-                stats = _pump(reader, writer, _Fetcher(log, pool), SLOTS[format],
-                              batch_size, report)
+                stats = _pump(reader, writer, fetcher, SLOTS[format], batch_size, report)
                 writer.close()
-        finally:  # after a failure, fetches still queued are dropped, not waited for
-            pool.shutdown(wait=True, cancel_futures=True)
-    finally:
-        con.close()
+        finally:
+            con.close()
+    finally:  # after a failure, fetches still queued are dropped, not waited for
+        pool.shutdown(wait=True, cancel_futures=True)
     return ExportReport(out.url, format, used, lsn, stats[0], stats[1], out.bytes,
                         stats[2], out.sha256)
 
 
-def _connect(log: EventLog, source: str, lsn: int) -> tuple[Any, str]:
+def _connect(log: EventLog, source: str, lsn: int,
+             before_fold: Callable[[pa.Table], None] | None = None) -> tuple[Any, str]:
     """A DuckDB connection holding the fold's tables at ``lsn``, and the source used.
 
     ``auto`` uses the materialized state when it covers exactly ``lsn`` (the export LSN
@@ -227,7 +232,10 @@ def _connect(log: EventLog, source: str, lsn: int) -> tuple[Any, str]:
                 f"the materialized state covers lsn {ptr.lsn}"
             raise NotFound(f"export: {have}, not lsn {lsn} (run materialize, or use "
                            "source='log' or 'auto')")
-    con = _fold.new_connection(log.read_events(lsn))
+    events = log.read_events(lsn)
+    if before_fold is not None:
+        before_fold(events)
+    con = _fold.new_connection(events)
     _fold.create_fold_tables(con, _TABLES)
     return con, "log"
 
@@ -310,30 +318,79 @@ def _cut(pending: list[pa.RecordBatch], slots: tuple[str, ...], budget: int,
             pending.extend(rest.to_batches())
 
 
+#: Bodies are fetched in groups (one pool task each) of about this many bytes or refs:
+#: a future per body cost more than reading a small one, and groups small enough keep
+#: every worker busy and let the writer start on a batch's first rows early.
+_GROUP_BYTES = 1 << 20
+_GROUP_REFS = 64
+
+
+_Cell = tuple[Future[list[tuple[bytes, bool]]], int]
+
+
 class _Fetcher:
-    """Fetches bodies through ``log.blobs`` on a bounded pool and decodes them."""
+    """Fetches bodies through ``log.blobs`` on a bounded pool, a group of refs per task."""
 
     def __init__(self, log: EventLog, pool: ThreadPoolExecutor) -> None:
         self.log, self.pool = log, pool
         self._late: dict[tuple[str, str], BlobRef] | None = None
         self._lock = threading.Lock()
+        self._ahead: Future[dict[tuple[str, str], _Cell]] | None = None
+
+    def prefetch(self, events: pa.Table, runs: Iterable[str] | None, budget: int) -> None:
+        """Start reading, while the fold runs, up to ``budget`` bytes of the bodies the first
+        batch will most likely ask for: those of attempt events in ``(run_id, lsn)`` order.
+        ``submit`` takes what it needs from them for the first batch and drops the rest,
+        so a wrong guess costs reads, never bytes, and memory stays about one batch."""
+        wanted = None if runs is None else sorted(set([runs] if isinstance(runs, str)
+                                                      else runs))
+        self._ahead = self.pool.submit(self._plan, events, wanted, budget)
+
+    def _plan(self, events: pa.Table, runs: list[str] | None, budget: int
+              ) -> dict[tuple[str, str], _Cell]:
+        # a copy of five columns in one chunk: filters over the log's many small chunks
+        # (one or more per commit) are ten times slower
+        t = events.select(["kind", "run_id", "lsn", "prompt", "output"]).combine_chunks()
+        keep = pc.is_in(t.column("kind"), pa.array(["attempt_dispatched", "attempt_finished"]))
+        if runs is not None:
+            keep = pc.and_(keep, pc.is_in(t.column("run_id"), pa.array(runs, pa.string())))
+        t = t.filter(keep).sort_by([("run_id", "ascending"), ("lsn", "ascending")])
+        groups = _Groups(self)
+        total = 0
+        for b in t.to_batches(max_chunksize=1024):
+            for p, o in zip(b.column("prompt").to_pylist(), b.column("output").to_pylist(),
+                            strict=True):
+                for d in (p, o):
+                    if d is None:
+                        continue
+                    total += d["size"]
+                    if total > budget:
+                        return groups.close()
+                    groups.add((d["tenant"], d["sha256"]), d["size"])
+        return groups.close()
 
     def submit(self, batch: pa.RecordBatch, slots: tuple[str, ...]) -> Bodies:
-        """Start fetching every body of ``batch`` (each distinct ref once)."""
-        futs: dict[tuple[str, str], Future[tuple[bytes, bool]]] = {}
-        cells: dict[str, list[Future[tuple[bytes, bool]] | None]] = {}
-        for s in slots:
-            col: list[Future[tuple[bytes, bool]] | None] = []
-            for d in batch.column(f"{s}_ref").to_pylist():
-                if d is None:
-                    col.append(None)
-                    continue
-                key = (d["tenant"], d["sha256"])
-                if key not in futs:
-                    futs[key] = self.pool.submit(self._body, BlobRef(*key, d["size"]))
-                col.append(futs[key])
-            cells[s] = col
-        return Bodies(cells, {s: batch.column(f"{s}_reduced").to_pylist() for s in slots})
+        """Start fetching every body of ``batch`` (each distinct ref once), in row order,
+        so the writer's first rows are the first to arrive."""
+        ahead: dict[tuple[str, str], _Cell] = {}
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead.result(), None
+        groups = _Groups(self, ahead)
+        cols = [batch.column(f"{s}_ref").to_pylist() for s in slots]
+        cells: list[list[_Cell | None]] = [[None] * batch.num_rows for _ in slots]
+        for i, row in enumerate(zip(*cols, strict=True)):
+            for k, d in enumerate(row):
+                if d is not None:
+                    groups.add((d["tenant"], d["sha256"]), d["size"], cells[k], i)
+        used = {id(c[0]) for c in groups.close().values()}
+        for fut, _ in ahead.values():  # guessed wrong: not read yet, not read at all
+            if id(fut) not in used:
+                fut.cancel()
+        return Bodies(dict(zip(slots, cells, strict=True)),
+                      {s: batch.column(f"{s}_reduced").to_pylist() for s in slots})
+
+    def _bodies(self, refs: list[BlobRef]) -> list[tuple[bytes, bool]]:
+        return [self._body(r) for r in refs]
 
     def _body(self, ref: BlobRef) -> tuple[bytes, bool]:
         """The body, and whether a reduction after the export LSN replaced it by its summary.
@@ -360,6 +417,53 @@ class _Fetcher:
                                 red.column("summary").to_pylist(), strict=True):
                     self._late[(o["tenant"], o["sha256"])] = BlobRef(**s)
             return self._late
+
+
+class _Groups:
+    """Cuts refs, in the order given, into pool tasks of about ``_GROUP_BYTES`` or
+    ``_GROUP_REFS`` each (each distinct ref once), and fills in the cells that wait for
+    them; refs already under way (``known``) are reused."""
+
+    def __init__(self, fetcher: _Fetcher, known: dict[tuple[str, str], _Cell] | None = None
+                 ) -> None:
+        self.fetcher, self.known = fetcher, known or {}
+        self.at: dict[tuple[str, str], _Cell] = {}
+        self.refs: list[BlobRef] = []
+        self.index: dict[tuple[str, str], int] = {}
+        self.waiting: list[tuple[list[_Cell | None], int, int]] = []
+        self.size = 0
+
+    def add(self, key: tuple[str, str], size: int,
+            col: list[_Cell | None] | None = None, i: int = 0) -> None:
+        cell = self.at.get(key) or self.known.get(key)
+        if cell is not None:
+            self.at[key] = cell
+            if col is not None:
+                col[i] = cell
+            return
+        j = self.index.get(key)
+        if j is None:
+            if self.refs and (self.size >= _GROUP_BYTES or len(self.refs) >= _GROUP_REFS):
+                self._flush()
+            j = self.index[key] = len(self.refs)
+            self.refs.append(BlobRef(*key, size))
+            self.size += size
+        if col is not None:
+            self.waiting.append((col, i, j))
+
+    def _flush(self) -> None:
+        fut = self.fetcher.pool.submit(self.fetcher._bodies, self.refs)
+        for key, j in self.index.items():
+            self.at[key] = (fut, j)
+        for col, i, j in self.waiting:
+            col[i] = (fut, j)
+        self.refs, self.index, self.waiting, self.size = [], {}, [], 0
+
+    def close(self) -> dict[tuple[str, str], _Cell]:
+        """Submit the last group; every ref added, with its task and place in it."""
+        if self.refs:
+            self._flush()
+        return self.at
 
 
 def _pump(reader: pa.RecordBatchReader, writer: Any, fetcher: _Fetcher,

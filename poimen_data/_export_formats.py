@@ -71,23 +71,31 @@ _PAIR_META = ("run_id", "tenant", "step_id", "step_index", "chosen_branch_id",
               "chosen_attempt_no", "chosen_workflow_version", "rejected_branch_id",
               "rejected_attempt_no", "rejected_state", "rejected_workflow_version")
 
-_CHUNK = 1 << 14
+#: Records whose bodies total at most this are encoded by one orjson call; larger
+#: texts are escaped in chunks of ``_CHUNK`` characters (memory stays bounded).
+_ONE_CALL = 1 << 18
+_CHUNK = 1 << 16
 
 
 class Bodies:
-    """The bodies of one batch by slot and row, resolved as the fetch pool delivers them,
-    so a writer can emit row i while row i+1 is still being read."""
+    """The bodies of one batch by slot and row, resolved as the fetch pool delivers its
+    groups, so a writer can emit row i while a later group is still being read."""
 
-    def __init__(self, cells: Mapping[str, Sequence[Future[tuple[bytes, bool]] | None]],
+    def __init__(self, cells: Mapping[str, Sequence[tuple[Future[list[tuple[bytes, bool]]],
+                                                         int] | None]],
                  reduced: Mapping[str, Sequence[bool]]) -> None:
         self._cells, self._reduced = cells, reduced
+        self._got: dict[Future[list[tuple[bytes, bool]]], list[tuple[bytes, bool]]] = {}
 
     def get(self, slot: str, i: int) -> tuple[bytes | None, bool]:
         """(body or None, exported as a summary?) of row ``i``; waits for the fetch."""
         cell = self._cells[slot][i]
         if cell is None:
             return None, bool(self._reduced[slot][i])
-        data, late = cell.result()
+        got = self._got.get(cell[0])  # a dict lookup, not a lock per cell
+        if got is None:
+            got = self._got[cell[0]] = cell[0].result()
+        data, late = got[cell[1]]
         return data, bool(self._reduced[slot][i]) or late
 
     def column(self, slot: str) -> tuple[list[bytes | None], list[bool]]:
@@ -118,6 +126,9 @@ def _verdicts(vs: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
              "snapshot_lsn": v["snapshot_lsn"]} for v in (vs or ())]
 
 
+_LINE = orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE
+
+
 def _dumps(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
 
@@ -126,45 +137,23 @@ def _text(body: bytes | None) -> str | None:
     return None if body is None else body.decode("utf-8", errors="replace")
 
 
-def _write_json_text(w: Callable[[Any], Any], body: bytes | None) -> None:
-    """Write a body as a JSON string: the bytes ``orjson.dumps(body.decode())`` gives.
+def _small(*bodies: bytes | None) -> bool:
+    """Whether a record's bodies are small enough to encode in one orjson call (which
+    reserves about 8x a string's UTF-8 size while it writes)."""
+    return sum(0 if b is None else len(b) for b in bodies) <= _ONE_CALL
 
-    JSON escapes only ASCII characters, and in UTF-8 every byte of a non-ASCII character
-    is >= 0x80, so bodies are escaped byte-wise in chunks (orjson reserves about 16x a
-    string's size while it writes, so whole large bodies would cost 16x in memory). An
-    ASCII chunk goes through orjson as is; any other chunk is read as latin-1 (one char
-    per byte), escaped, and mapped back, which is 2-4x faster than decoding UTF-8 to
-    text. Invalid UTF-8 is first replaced (U+FFFD), as in every format.
-    """
-    if body is None:
+
+def _write_json_text(w: Callable[[Any], Any], text: str | None) -> None:
+    """Write a large text as a JSON string, the bytes ``orjson.dumps(text)`` gives, in
+    chunks: JSON escapes characters one by one, so escaped chunks join into the escaped
+    whole, and orjson's transient reservation is bounded by the chunk, not the text."""
+    if text is None:
         w(b"null")
         return
     w(b'"')
-    if body.isascii():  # the common case: escape straight from the body's buffer
-        mv = memoryview(body)
-        for i in range(0, len(body), _CHUNK):
-            w(orjson.dumps(str(mv[i:i + _CHUNK], "ascii"))[1:-1])
-    else:
-        if not _valid_utf8(body):
-            body = body.decode("utf-8", errors="replace").encode("utf-8")
-        for i in range(0, len(body), _CHUNK):
-            chunk = body[i:i + _CHUNK]
-            if chunk.isascii():
-                out = orjson.dumps(chunk.decode("ascii"))
-            else:
-                out = orjson.dumps(chunk.decode("latin-1")).decode("utf-8").encode("latin-1")
-            w(out[1:-1])  # a compact copy: orjson's result holds its whole reservation
+    for i in range(0, len(text), _CHUNK):
+        w(orjson.dumps(text[i:i + _CHUNK])[1:-1])  # a compact copy, not the reservation
     w(b'"')
-
-
-def _valid_utf8(body: bytes) -> bool:
-    """Arrow's vectorized UTF-8 check over the body's own buffer (no copy)."""
-    offsets = pa.array([0, len(body)], pa.int32()).buffers()[1]
-    try:
-        pa.StringArray.from_buffers(1, offsets, pa.py_buffer(body)).validate(full=True)
-    except pa.ArrowInvalid:
-        return False
-    return True
 
 
 def _text_array(bodies: Sequence[bytes | None]) -> pa.Array:
@@ -192,6 +181,7 @@ class JsonlWriter:
         self.sink, self.export_lsn = sink, export_lsn
 
     def write(self, batch: pa.RecordBatch, bodies: Bodies) -> None:
+        w = self.sink.write
         for i, row in enumerate(batch.select(list(_ATTEMPT_META) + ["usage", "verdicts"])
                                 .to_pylist()):
             prompt, prompt_reduced = bodies.get("prompt", i)
@@ -202,11 +192,18 @@ class JsonlWriter:
             meta["prompt_reduced"] = prompt_reduced
             meta["output_reduced"] = output_reduced
             meta["export_lsn"] = self.export_lsn
-            w = self.sink.write
+            if _small(prompt, output):  # the common case: one call, one write
+                w(orjson.dumps({"messages": [
+                    {"content": _text(prompt), "role": "user"},
+                    {"content": _text(output), "role": "assistant"}], "metadata": meta},
+                    option=_LINE))
+                continue
             w(b'{"messages":[{"content":')
-            _write_json_text(w, prompt)
+            _write_json_text(w, _text(prompt))
+            del prompt
             w(b',"role":"user"},{"content":')
-            _write_json_text(w, output)
+            _write_json_text(w, _text(output))
+            del output
             w(b',"role":"assistant"}],"metadata":')
             w(_dumps(meta))
             w(b"}\n")
@@ -225,6 +222,7 @@ class PairsWriter:
         self.sink, self.export_lsn = sink, export_lsn
 
     def write(self, batch: pa.RecordBatch, bodies: Bodies) -> None:
+        w = self.sink.write
         for i, row in enumerate(batch.select(list(_PAIR_META) + ["verdicts"]).to_pylist()):
             got = {s: bodies.get(s, i) for s in self.slots}
             meta = {k: row[k] for k in _PAIR_META}
@@ -232,15 +230,19 @@ class PairsWriter:
             for s in self.slots:
                 meta[f"{s}_reduced"] = got[s][1]
             meta["export_lsn"] = self.export_lsn
-            w = self.sink.write
+            if _small(*(g[0] for g in got.values())):
+                w(orjson.dumps({"chosen": _text(got["chosen"][0]), "metadata": meta,
+                                "prompt": _text(got["prompt"][0]),
+                                "rejected": _text(got["rejected"][0])}, option=_LINE))
+                continue
             w(b'{"chosen":')
-            _write_json_text(w, got["chosen"][0])
+            _write_json_text(w, _text(got["chosen"][0]))
             w(b',"metadata":')
             w(_dumps(meta))
             w(b',"prompt":')
-            _write_json_text(w, got["prompt"][0])
+            _write_json_text(w, _text(got["prompt"][0]))
             w(b',"rejected":')
-            _write_json_text(w, got["rejected"][0])
+            _write_json_text(w, _text(got["rejected"][0]))
             w(b"}\n")
 
     def close(self) -> None:

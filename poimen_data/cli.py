@@ -405,17 +405,24 @@ def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | 
            source: Annotated[str, typer.Option(help="auto | state | log")] = "auto",
            run: Annotated[list[str] | None, typer.Option("--run", help="Only these runs.")]
            = None,
+           only_succeeded: Annotated[bool, typer.Option(
+               "--only-succeeded", help="Drop failed, timed-out and cancelled attempts.")]
+           = False,
            at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Export the live-branch trajectory of every run (failed attempts kept) for training."""
-    from rich.progress import Progress
+    from rich.filesize import decimal
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     log = open_root(root)
     fn = st.lookup("export_live")
-    with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as p:
-        task = p.add_task("exporting runs", total=None)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("runs, {task.fields[written]} written"), console=err,
+                  transient=True, disable=as_json or not err.is_terminal) as p:
+        task = p.add_task("exporting", total=None, written=decimal(0))
         r = fn(log, dest, format=fmt, source=source, at_lsn=at_lsn, runs=run or None,
-               progress=lambda pr: p.update(task, completed=pr.runs_done,
-                                            total=pr.runs_total))
+               only_succeeded=only_succeeded,
+               progress=lambda pr: p.update(task, completed=pr.runs_done, total=pr.runs_total,
+                                            written=decimal(pr.bytes)))
     if as_json:
         emit_json(r)
     else:

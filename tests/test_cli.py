@@ -203,6 +203,28 @@ def test_materialize_check_grade_export(demo_root, tmp_path: Path) -> None:
     assert json.loads(lines[0])["messages"][0]["role"] == "user"
 
 
+def test_export_only_succeeded(tmp_path: Path) -> None:
+    root = str(tmp_path / "x")
+    synth.generate(root, runs=6, seed=4, batch=1)
+    log = pdm.open_log(root, create=False)
+    want = pdm.export_live(log, str(tmp_path / "want.jsonl"), only_succeeded=True)
+    every = pdm.export_live(log, str(tmp_path / "every.jsonl"))
+    assert 0 < want.records < every.records
+    dest = str(tmp_path / "ok.jsonl")
+    r = poimen("export", "--only-succeeded", "--out", dest, "--root", root)
+    assert (r.exit_code, r.stderr) == (0, "")
+    assert r.stdout == (f"wrote {dest}: {want.records} records of {want.runs} runs, "
+                        f"{want.bytes:,} bytes, jsonl from log at LSN {log.head}, "
+                        f"sha256 {want.sha256}\n")
+    assert Path(dest).read_bytes() == (tmp_path / "want.jsonl").read_bytes()
+    states = {json.loads(x)["metadata"]["state"] for x in Path(dest).read_text().splitlines()}
+    assert states == {"succeeded"}
+    r = poimen("export", "--only-succeeded", "--format", "pairs", "--out", dest,
+               "--root", root)
+    assert (r.exit_code, r.stderr) == (
+        1, "error: export: only_succeeded leaves no failed attempt to pair\n")
+
+
 def test_maintenance_commands(tmp_path: Path) -> None:
     root = str(tmp_path / "m")
     s = synth.generate(root, runs=12, seed=2, batch=1)
