@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -515,7 +516,7 @@ def event_refs(e: Event) -> Iterable[tuple[str, BlobRef]]:
 # --- conversion ---------------------------------------------------------------------
 
 
-def _struct(typ: pa.StructType, values: list[Any], n: int) -> pa.Array:
+def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
     """A struct column from value objects (or None) without building one dict per row."""
     mask = [v is None for v in values]
     if all(mask):
@@ -523,10 +524,9 @@ def _struct(typ: pa.StructType, values: list[Any], n: int) -> pa.Array:
     children = []
     for f in typ:
         vals = [None if v is None else getattr(v, f.name) for v in values]
-        if pa.types.is_list(f.type):
-            vals = [None if x is None else list(x) for x in vals]
-        elif f.type == COST_TYPE:
-            vals = [None if x is None else Decimal(x).quantize(COST_QUANTUM) for x in vals]
+        if f.type == COST_TYPE:
+            vals = [None if x is None else x if type(x) is Decimal and x.as_tuple().exponent
+                    == -9 else Decimal(x).quantize(COST_QUANTUM) for x in vals]
         elif pa.types.is_floating(f.type):
             vals = [None if x is None else float(x) for x in vals]
         children.append(pa.array(vals, f.type))
@@ -538,38 +538,51 @@ _STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
                    "tools": TOOLS_TYPE}
 
 
+_GETTERS = {c: attrgetter(*(f.name for f in fields(c))) for c in EVENT_CLASSES.values()}
+_FIELDS = {c: tuple(f.name for f in fields(c)) for c in EVENT_CLASSES.values()}
+
+
+def _column(name: str, typ: pa.DataType, values: Sequence[Any], n: int) -> pa.Array:
+    struct = _STRUCT_COLUMNS.get(name)
+    if struct is not None:
+        return _struct(struct, values, n)
+    if name == "labels":
+        return pa.array([None if v is None else sorted(v.items()) for v in values], typ)
+    return pa.array(values, typ)
+
+
 def events_to_table(events: Sequence[Event], stamps: Sequence[datetime]) -> pa.Table:
     """Turn validated events (with their append-time stamps) into one EVENT_SCHEMA table.
 
-    Columns are built from the fields of the event classes present only; the others are
-    all-null arrays, which cost nothing to make.
+    Events are taken class by class: one ``attrgetter`` call per event reads all its
+    fields, the columns a class does not have are all-null arrays (free), and the pieces
+    are put back in append order with one ``take``.
     """
-    n = len(events)
-    present: set[str] = set()
-    for cls in {type(e) for e in events}:
-        present |= KIND_COLUMNS[cls.kind]
-    arrays: list[pa.Array] = []
-    for f in EVENT_SCHEMA:
-        name = f.name
-        if name == "ts":
-            values: list[Any] = [e.ts if e.ts is not None else s
-                                 for e, s in zip(events, stamps, strict=True)]
-            arrays.append(pa.array(values, f.type))
-        elif name == "kind":
-            arrays.append(pa.array([e.kind for e in events], f.type))
-        elif name not in present:
-            arrays.append(pa.nulls(n, f.type))
-        else:
-            values = [getattr(e, name, None) for e in events]
-            typ = _STRUCT_COLUMNS.get(name)
-            if typ is not None:
-                arrays.append(_struct(typ, values, n))
-            elif name == "labels":
-                arrays.append(pa.array([None if v is None else sorted(v.items())
-                                        for v in values], f.type))
+    positions: dict[type, list[int]] = {}
+    for i, e in enumerate(events):
+        positions.setdefault(type(e), []).append(i)
+    parts: list[pa.Table] = []
+    for cls, idx in positions.items():
+        evs = [events[i] for i in idx] if len(positions) > 1 else list(events)
+        k = len(evs)
+        cols = dict(zip(_FIELDS[cls], zip(*map(_GETTERS[cls], evs), strict=True), strict=True))
+        ts = [e.ts if e.ts is not None else stamps[i]
+              for e, i in zip(evs, idx, strict=True)]
+        arrays = []
+        for f in EVENT_SCHEMA:
+            if f.name == "ts":
+                arrays.append(pa.array(ts, f.type))
+            elif f.name == "kind":
+                arrays.append(pa.array([cls.kind] * k, f.type))
+            elif f.name in cols:
+                arrays.append(_column(f.name, f.type, cols[f.name], k))
             else:
-                arrays.append(pa.array(values, f.type))
-    return pa.Table.from_arrays(arrays, schema=EVENT_SCHEMA)
+                arrays.append(pa.nulls(k, f.type))
+        parts.append(pa.Table.from_arrays(arrays, schema=EVENT_SCHEMA))
+    if len(parts) == 1:
+        return parts[0]
+    order = pa.array([i for idx in positions.values() for i in idx], pa.int64())
+    return pa.concat_tables(parts).take(pc.sort_indices(order))
 
 
 def _ref_from(d: Mapping[str, Any] | None) -> BlobRef | None:
