@@ -5,13 +5,18 @@ preference ``pairs``.
 The bytes are a pure function of the log at that LSN, so a materialized state and a cold
 re-fold give files with the same sha256: rows come from one SQL query over the fold's
 views with a total order, batches are cut by a pure function of those rows, and every
-writer setting is pinned (``_export_formats``). The export streams: rows (refs and
-metadata, never bodies) come from DuckDB in Arrow batches; batch i is written while a
-bounded thread pool fetches batch i+1's bodies (so S3 latency overlaps), and a row is
-written as soon as its own bodies are in. Memory is about 2 x ``batch_size`` (3 x for
-parquet, whose row group is assembled whole) plus a few MiB, whatever the size of the
-log or of its bodies. The file is written under a temporary name next to ``dest`` and
-published at the end, so a failed export leaves nothing at ``dest``.
+writer setting is pinned (``_export_formats``). ``source="auto"`` serves from a
+materialized state at or before the export LSN and folds again only the runs that later
+commits touched (``_connect``). The export streams: rows (refs and metadata, never
+bodies) come from DuckDB in Arrow batches; batch i is written while a bounded thread pool
+fetches batch i+1's bodies (so S3 latency overlaps), in groups of refs (a pool task per
+body would cost more than reading a small one), and a row is written as soon as its own
+bodies are in. While the log is folded, the pool already reads the bodies the first
+batch most likely needs (at most one batch budget; a wrong guess costs reads, not
+bytes). Memory is about 2 x ``batch_size`` (3 x for parquet, whose row group is
+assembled whole) plus a few MiB, whatever the size of the log or of its bodies. The
+file is written under a temporary name next to ``dest`` and published at the end, so a
+failed export leaves nothing at ``dest``.
 
 Rules a consumer must know:
 
@@ -161,7 +166,10 @@ def export_live(
     row, so one body larger than it is still exported); files are byte-identical for the
     same log, LSN and options. ``source`` picks where the rows come from: ``"state"``
     (a materialized state at exactly the export LSN, else ``NotFound``), ``"log"`` (a
-    cold re-fold) or ``"auto"``. Unknown ``runs`` raise ``NotFound``.
+    cold re-fold) or ``"auto"`` (a state at or before the export LSN, the runs touched
+    after it folded again; else the log). ``ExportReport.source`` says which was used:
+    ``"state"``, ``"state+log"`` or ``"log"``; the bytes are the same whichever it is.
+    ``max_workers`` bounds the pool that reads bodies. Unknown ``runs`` raise ``NotFound``.
     """
     if format not in FORMATS:
         raise ValidationError(f"export: format must be one of {FORMATS}, got {format!r}")
@@ -213,20 +221,26 @@ def _connect(log: EventLog, source: str, lsn: int,
              before_fold: Callable[[pa.Table], None] | None = None) -> tuple[Any, str]:
     """A DuckDB connection holding the fold's tables at ``lsn``, and the source used.
 
-    ``auto`` uses the materialized state when it covers exactly ``lsn`` (the export LSN
-    is fixed, so a state at another LSN cannot serve it) and folds the log otherwise.
+    ``state`` needs a materialized state at exactly ``lsn``. ``auto`` serves from a state
+    at ``lsn`` or before it: the runs that later commits touched are folded again from
+    their first event (every fold rule is per run, as the materializer's incremental
+    build relies on) and replace their state rows, and reductions after the state are
+    appended (source ``"state+log"``); with no usable state, or one past ``lsn``, the
+    whole log is folded (``"log"``).
     """
     if source != "log":
         ptr = _state.usable_pointer(log)
-        if ptr is not None and ptr.lsn == lsn:
+        if ptr is not None and (ptr.lsn == lsn or (source == "auto" and ptr.lsn < lsn)):
+            tables = {name: _state_table(log, ptr, name) for name in _TABLES}
+            used = "state"
+            if ptr.lsn < lsn:
+                _refold_touched(log, ptr, lsn, tables)
+                used = "state+log"
             con = duckdb.connect(":memory:")
             con.execute("SET TimeZone = 'UTC'")
-            schemas = _state.table_schemas()
-            for name in _TABLES:
-                parts = [_state.read_file(log, f) for f in ptr.tables.get(name, ())]
-                con.register(name, pa.concat_tables(parts) if parts
-                             else schemas[name].empty_table())
-            return con, "state"
+            for name, t in tables.items():
+                con.register(name, t)
+            return con, used
         if source == "state":
             have = "no usable materialized state" if ptr is None else \
                 f"the materialized state covers lsn {ptr.lsn}"
@@ -238,6 +252,36 @@ def _connect(log: EventLog, source: str, lsn: int,
     con = _fold.new_connection(events)
     _fold.create_fold_tables(con, _TABLES)
     return con, "log"
+
+
+def _state_table(log: EventLog, ptr: _state.Pointer, name: str) -> pa.Table:
+    schema = _state.table_schemas()[name]
+    parts = [_state.read_file(log, f).cast(schema) for f in ptr.tables.get(name, ())]
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def _refold_touched(log: EventLog, ptr: _state.Pointer, lsn: int,
+                    tables: dict[str, pa.Table]) -> None:
+    """Bring state tables at ``ptr.lsn`` to ``lsn`` (see ``_connect``)."""
+    schemas = _state.table_schemas()
+    new = log.read_events(lsn, ptr.lsn + 1)
+    red = _fold.fold_tables(new, ("reductions",))["reductions"]
+    if red.num_rows:
+        tables["reductions"] = pa.concat_tables(
+            [tables["reductions"], red.cast(schemas["reductions"])])
+    touched = pc.unique(new.column("run_id").drop_null())
+    if not len(touched):
+        return
+    index = _state_table(log, ptr, _state.INDEX)
+    firsts = index.filter(pc.is_in(index.column("run_id"), touched)).column("first_lsn")
+    lo = min([ptr.lsn + 1, *firsts.to_pylist()])
+    per_run = tuple(t for t in _TABLES if t != "reductions")
+    fresh = _fold.fold_tables(_fold.run_events(log, touched.to_pylist(), at_lsn=lsn,
+                                               min_lsn=lo), per_run)
+    for name in per_run:
+        old = tables[name]
+        keep = old.filter(pc.invert(pc.is_in(old.column("run_id"), touched)))
+        tables[name] = pa.concat_tables([keep, fresh[name].cast(schemas[name])])
 
 
 def _select(con: Any, runs: Iterable[str] | None, only_succeeded: bool) -> None:

@@ -151,6 +151,45 @@ def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
         assert sha(tmp_path / "small.out") == sha(tmp_path / "state.out")
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs"])
+def test_auto_serves_an_older_state_and_refolds_only_what_changed(tmp_path: Path,
+                                                                  fmt: str) -> None:
+    log, _ = rich_log(str(tmp_path / "log"))
+    at = materialize(log)
+    r = Recorder(log)
+    r.attempt("r-c", 0, "ask", 0, 3, "failed")  # a touched run: a retry after the state
+    r.attempt("r-c", 0, "ask", 0, 4, "succeeded")
+    r.commit(ev.RunStarted(T, "r-0", "wf-3"))   # a new run, first in run_id order
+    r.attempt("r-0", 0, "plan", 0, 1, "failed")
+    r.attempt("r-0", 0, "plan", 0, 2, "succeeded")
+    out_b = next(e["output"] for e in log.read_events().to_pylist()
+                 if e["run_id"] == "r-b" and e["kind"] == "attempt_finished")
+    reduce(log, [ev.BlobRef(**out_b)], lambda body: b"summary: unicode")  # no run touched
+    assert log.head > at
+
+    auto = export_live(log, tmp_path / "auto.out", format=fmt)
+    cold = export_live(pdm.open_log(str(tmp_path / "log")), tmp_path / "log.out",
+                       format=fmt, source="log")
+    assert (auto.source, cold.source) == ("state+log", "log")
+    assert auto.sha256 == cold.sha256 == sha(tmp_path / "auto.out")
+    assert (auto.records, auto.runs, auto.reduced) == (cold.records, cold.runs, cold.reduced)
+    assert auto.runs == (4 if fmt != "pairs" else 3)  # pairs: r-a, r-c and r-0
+    if fmt == "jsonl":
+        got = lines(tmp_path / "auto.out")
+        assert [m["metadata"]["run_id"] for m in got][:2] == ["r-0", "r-0"]
+        assert [m["metadata"]["attempt_no"] for m in got if m["metadata"]["run_id"] == "r-c"
+                ] == [1, 2, 3, 4]
+        b = [m for m in got if m["metadata"]["run_id"] == "r-b"]
+        assert (b[0]["messages"][1]["content"], b[0]["metadata"]["output_reduced"]) == (
+            "summary: unicode", True)
+    # at the state's own LSN auto serves the state as is; before it, it folds the log
+    assert export_live(log, tmp_path / "at.out", format=fmt, at_lsn=at).source == "state"
+    assert export_live(log, tmp_path / "before.out", format=fmt, at_lsn=at - 1
+                       ).source == "log"
+    with pytest.raises(pdm.NotFound):
+        export_live(log, tmp_path / "no.out", format=fmt, source="state")
+
+
 def test_live_trajectory_of_a_run_rewound_twice(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
