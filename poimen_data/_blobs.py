@@ -43,27 +43,26 @@ class FsBlobStore:
     def get(self, ref: BlobRef) -> bytes | None:
         check_ref(ref, "get")
         key = (ref.tenant, ref.sha256)
+        home = blob_path(ref.tenant, ref.sha256)
         for fresh in (False, True):
             if fresh:
                 self._log.refresh()
             reduced, staged = self._log._blob_location(key)
             if reduced:
                 return None
+            # A body committed again after a reduction lives in its staging area; any
+            # other body is in blobs/, or still in staging until its promotion (which may
+            # move it between two reads: hence blobs/ once more at the end).
             if staged is not None and key in self._log._state.recommitted:
-                data = self._log.storage.read_or_none(staged)
+                places = [staged, home]
+            elif staged is not None:
+                places = [home, staged, home]
+            else:
+                places = [home]
+            for rel in places:
+                data = self._log.storage.read_or_none(rel)
                 if data is not None:
-                    return self._verified(ref, data, staged)
-            data = self._log.storage.read_or_none(blob_path(ref.tenant, ref.sha256))
-            if data is not None:
-                return self._verified(ref, data, blob_path(ref.tenant, ref.sha256))
-            if staged is not None:
-                data = self._log.storage.read_or_none(staged)
-                if data is not None:
-                    return self._verified(ref, data, staged)
-                # promoted between our two reads
-                data = self._log.storage.read_or_none(blob_path(ref.tenant, ref.sha256))
-                if data is not None:
-                    return self._verified(ref, data, blob_path(ref.tenant, ref.sha256))
+                    return self._verified(ref, data, rel)
         raise NotFound(f"no committed body for ref {ref.tenant}/{ref.sha256}")
 
     def exists(self, ref: BlobRef) -> bool:

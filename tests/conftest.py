@@ -71,6 +71,15 @@ def root(request: pytest.FixtureRequest, tmp_path: Any) -> Root:
     return Root(f"s3://{BUCKET}/{uuid.uuid4().hex}", s3.storage_options, "s3")
 
 
+@pytest.fixture(params=["local", "s3"])
+def proc_root(request: pytest.FixtureRequest, tmp_path: Any) -> Root:
+    """Backends that several processes can share (memory:// is per process)."""
+    if request.param == "local":
+        return Root(str(tmp_path / "log"), None, "local")
+    s3 = request.getfixturevalue("s3")
+    return Root(f"s3://{BUCKET}/{uuid.uuid4().hex}", s3.storage_options, "s3")
+
+
 def snapshot_files(log: pdm.EventLog) -> dict[str, bytes]:
     """Every file under the root with its bytes (to prove storage is unchanged), once the
     background promotions of this process are done."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from child_writer import PROMPT_TEMPLATE, assembled_prompt, big_output
-from conftest import BUCKET, Root
+from conftest import Root
 
 import poimen_data as pdm
 from poimen_data import events as E
@@ -38,15 +38,6 @@ def _env(root: Root, crash_at: str | None = None) -> dict[str, str]:
 def _child(root: Root, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, CHILD, args[0], root.url, *args[1:]],
                           env=_env(root, crash_at), capture_output=True, timeout=120)
-
-
-@pytest.fixture(params=["local", "s3"])
-def proc_root(request: pytest.FixtureRequest, tmp_path: Path) -> Root:
-    """Backends that several processes can share (memory:// is per process)."""
-    if request.param == "local":
-        return Root(str(tmp_path / "log"), None, "local")
-    s3 = request.getfixturevalue("s3")
-    return Root(f"s3://{BUCKET}/{os.urandom(8).hex()}", s3.storage_options, "s3")
 
 
 def _assert_consistent(log: pdm.EventLog) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import BUCKET, Root
+from conftest import Root
 from test_log_processes import CHILD, _assert_consistent, _env
 
 import poimen_data as pdm
@@ -25,14 +25,6 @@ def _digest(t: pa.Table) -> str:
     with pa.ipc.new_stream(sink, t.schema) as w:
         w.write_table(t.combine_chunks())
     return hashlib.sha256(sink.getvalue()).hexdigest()
-
-
-@pytest.fixture(params=["local", "s3"])
-def proc_root(request: pytest.FixtureRequest, tmp_path: Path) -> Root:
-    if request.param == "local":
-        return Root(str(tmp_path / "log"), None, "local")
-    s3 = request.getfixturevalue("s3")
-    return Root(f"s3://{BUCKET}/{os.urandom(8).hex()}", s3.storage_options, "s3")
 
 
 def test_reduce_replaces_body_by_summary(root: Root) -> None:
