@@ -11,9 +11,9 @@ commits touched (``_connect``). The export streams: rows (refs and metadata, nev
 bodies) come from DuckDB in Arrow batches; batch i is written while a bounded thread pool
 fetches batch i+1's bodies (so S3 latency overlaps), in groups of refs (a pool task per
 body would cost more than reading a small one), and a row is written as soon as its own
-bodies are in. While the log is folded, the pool already reads the bodies the first
-batch most likely needs (at most one batch budget; a wrong guess costs reads, not
-bytes). Memory is about 2 x ``batch_size`` (3 x for parquet, whose row group is
+bodies are in. On remote storage, while the log is folded, the pool already reads the
+bodies the first batch most likely needs (at most one batch budget; a wrong guess costs
+reads, not bytes). Memory is about 2 x ``batch_size`` (3 x for parquet, whose row group is
 assembled whole) plus a few MiB, whatever the size of the log or of its bodies. The
 file is written under a temporary name next to ``dest`` and published at the end, so a
 failed export leaves nothing at ``dest``.
@@ -189,8 +189,9 @@ def export_live(
     fetcher = _Fetcher(log, pool)
     try:
         # while the log is folded, the pool reads the bodies the first batch most likely
-        # needs (formats whose rows are attempts; pairs are too few to guess)
-        ahead = None if format == "pairs" else \
+        # needs, from remote storage, where that hides latency (local reads are CPU and
+        # would slow the fold; pairs are too few to guess)
+        ahead = None if format == "pairs" or log.storage.kind == "local" else \
             (lambda events: fetcher.prefetch(events, runs, batch_size))
         con, used = _connect(log, source, lsn, ahead)
         try:
@@ -250,7 +251,8 @@ def _connect(log: EventLog, source: str, lsn: int,
     if before_fold is not None:
         before_fold(events)
     con = _fold.new_connection(events)
-    _fold.create_fold_tables(con, _TABLES)
+    # unordered: the export's query puts every row in a total order of its own
+    _fold.create_fold_tables(con, _TABLES, ordered=False)
     return con, "log"
 
 

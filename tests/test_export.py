@@ -190,6 +190,22 @@ def test_auto_serves_an_older_state_and_refolds_only_what_changed(tmp_path: Path
         export_live(log, tmp_path / "no.out", format=fmt, source="state")
 
 
+def test_bodies_read_ahead_while_folding_change_no_byte(tmp_path: Path) -> None:
+    """On remote storage (here ``memory://``) the pool reads the first batch's likely
+    bodies while the log is folded; the files are those of a local log of the same events,
+    whatever the budget (all, part or none of the first batch guessed) and the runs."""
+    local, _ = rich_log(str(tmp_path / "log"))
+    remote, _ = rich_log(f"memory://export-{uuid.uuid4().hex}")
+    assert remote.storage.kind == "memory"
+    for fmt in ("jsonl", "parquet"):
+        for budget, runs in ((64 << 20, None), (64, None), (1, None), (64 << 20, ["r-c"])):
+            a = export_live(local, tmp_path / "a.out", format=fmt, batch_size=budget,
+                            runs=runs, source="log")
+            b = export_live(remote, f"memory://export-out-{uuid.uuid4().hex}/b.out",
+                            format=fmt, batch_size=budget, runs=runs, source="log")
+            assert (b.sha256, b.records, b.reduced) == (a.sha256, a.records, a.reduced)
+
+
 def test_live_trajectory_of_a_run_rewound_twice(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
