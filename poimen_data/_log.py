@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
 import os
 import threading
 import uuid
@@ -54,6 +55,7 @@ CRASH_POINTS = (
 )
 DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
+MAX_AMBIGUOUS = 5
 BlobKey = tuple[str, str]  # (tenant, sha256)
 
 
@@ -63,6 +65,7 @@ def crash_point(name: str) -> None:
         os._exit(137)
 
 
+_logger = logging.getLogger("poimen_data")
 _LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
 
 
@@ -133,9 +136,8 @@ class _State:
             self._queued.append(m)
         else:
             _apply_segments(self._segments, m)
-        for t, sha in m.reduces:
-            self.reduced[(t, sha)] = m.seq
-            self.recommitted.pop((t, sha), None)
+        # A commit's bodies first, then its reductions: a commit that both carries and
+        # reduces a body (a summary equal to another body it reduces) leaves it reduced.
         for b in m.blobs:
             key = (b.tenant, b.sha256)
             if b.staged is not None:
@@ -145,6 +147,9 @@ class _State:
             elif key in self.reduced and key not in self.recommitted:
                 # reused a reduced body: the writer must have staged it (see commit)
                 raise CorruptionError(f"{manifest_path(m.seq)}: reuses a reduced body")
+        for t, sha in m.reduces:
+            self.reduced[(t, sha)] = m.seq
+            self.recommitted.pop((t, sha), None)
         self.seq = m.seq
         self.lsn += m.n_events
         self.manifests_since_checkpoint.append(m)
@@ -216,6 +221,7 @@ class EventLog:
         self._lock = threading.RLock()
         self._state = _State()
         self._tables: dict[str, pa.Table] = {}
+        self._unknown: set[str] = set()  # txns whose publish failed without telling if it landed
         self._promoter: ThreadPoolExecutor | None = None
         self._promotions: list[Future[None]] = []
         self.blobs = FsBlobStore(self)
@@ -339,7 +345,8 @@ class EventLog:
         if reduced:
             return False
         if staged is not None and key in self._state.recommitted:
-            return self.storage.exists(staged)
+            # vacuum may have promoted it (under the lease) since
+            return self.storage.exists(staged) or self.storage.exists(blob_path(*key))
         if self.storage.exists(blob_path(*key)):
             return True
         # committed but not promoted yet (promotion runs in the background on S3)
@@ -457,6 +464,9 @@ class EventLog:
             try:
                 self.storage.move(b.staged, dst)
             except NotFound:
+                self.refresh()
+                if self._state.is_reduced(key):
+                    continue  # reduced meanwhile: the reducer removed it, as it should
                 if not self.storage.exists(dst):
                     raise CorruptionError(
                         f"{self.storage.url_of(b.staged)}: committed body missing from "
@@ -515,9 +525,11 @@ class EventLog:
         return list(self.storage.walk_files(f"_staging/{txn}"))
 
     def _maybe_checkpoint(self, seq: int) -> None:
+        """The writer of every interval-th seq checkpoints the head (which busy concurrent
+        writers may have moved past its own seq: a checkpoint at any seq is valid)."""
         if seq % self.checkpoint_interval:
             return
-        self.write_checkpoint(seq)
+        self.write_checkpoint()
 
     def write_checkpoint(self, seq: int | None = None) -> int:
         """Write a checkpoint of the state at ``seq`` (default: head) once every commit it
@@ -550,25 +562,38 @@ class EventLog:
     # -- publishing ---------------------------------------------------------------
 
     def _publish(self, make: Any, txn: str) -> Manifest:
-        """Publish the manifest ``make(seq, first_lsn)`` at the next free seq."""
+        """Publish the manifest ``make(seq, first_lsn)`` at the next free seq.
+
+        Idempotent: whenever we read manifests we had not seen, one of them may be our own
+        (a PUT whose answer was lost, then retried and refused); finding our ``txn`` there
+        means the commit landed, and it is never published twice.
+        """
+        ambiguous = 0
         for attempt in range(MAX_COMMIT_ATTEMPTS):
             with self._lock:
                 # Optimistic first try at the head we know: if another commit took that
                 # seq, put-if-absent fails and we read what we missed; if it succeeds,
                 # no manifest existed that we had not read.
                 if attempt:
+                    before = self._state.seq
                     self.refresh()
+                    mine = [m for m in self._state.manifests_since_checkpoint
+                            if m.seq > before and m.txn == txn]
+                    if mine:
+                        return mine[0]
                 seq, first = self._state.seq + 1, self._state.lsn + 1
                 m: Manifest = make(seq, first)
                 name = manifest_path(seq)
                 try:
                     won = self.storage.put_if_absent(name, m.to_bytes())
-                except (OSError, TimeoutError):
-                    # ambiguous: did it land? Re-read the name and look for our txn.
-                    got = self._read_manifest(seq)
-                    won = got is not None and got.txn == txn
-                    if got is None:
-                        continue
+                except (OSError, TimeoutError) as exc:
+                    if self.storage.kind != "s3":
+                        raise  # a local error is not ambiguous: it did not land
+                    self._unknown.add(txn)
+                    ambiguous += 1
+                    if ambiguous > MAX_AMBIGUOUS:
+                        raise CommitConflict(f"txn {txn}: storage kept failing") from exc
+                    continue  # the next round re-reads and looks for our txn
                 if won:
                     self._state.apply(m)
                     return m
@@ -589,6 +614,7 @@ class Transaction:
         self._failed: BaseException | None = None
         self._done = False
         self._n_table_rows = 0
+        self._segment_written = False
         self._seen_refs: set[Any] = set()  # refs and value objects validated already
         self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
         self.commit_info: CommitInfo | None = None
@@ -683,11 +709,12 @@ class Transaction:
         if self._done:
             return
         self._done = True
-        for b in self._staged.values():
-            if b.staged:
-                self.log.storage.delete(b.staged)
+        if self.txn in self.log._unknown:
+            return  # it may have landed: leave its files to vacuum's reachability check
         if self._staged:
             self.log.storage.delete_tree(f"_staging/{self.txn}")
+        if self._segment_written:
+            self.log.storage.delete(f"segments/{self.txn}.arrow")
 
     def _check_refs(self) -> None:
         """Every ref must be a body of this transaction or a committed, unreduced one."""
@@ -699,7 +726,9 @@ class Transaction:
             key = (ref.tenant, ref.sha256)
             if key in mine:
                 continue
-            if not self.log._body_present(key) and not self._staged_elsewhere(key):
+            if not self.log._body_present(key):
+                self.log.refresh()  # committed by another process since we last looked?
+            if not self.log._body_present(key):
                 self._failed = ValidationError(
                     f"event ref {ref.sha256[:12]}… of tenant {ref.tenant!r}: no committed "
                     "body (put it with tx.put_blob in this transaction)"
@@ -710,10 +739,6 @@ class Transaction:
                     f"event ref {ref.sha256[:12]}…: size {ref.size} does not match the body"
                 )
                 raise self._failed
-
-    def _staged_elsewhere(self, key: BlobKey) -> bool:
-        reduced, staged = self.log._blob_location(key)
-        return not reduced and staged is not None and self.log.storage.exists(staged)
 
     def _committed_size(self, key: BlobKey) -> int | None:
         size = self.log.storage.size(blob_path(*key))
@@ -729,12 +754,11 @@ class Transaction:
             raise ValidationError(f"transaction rejected whole: {self._failed}")
         try:
             self._flush_objects()
-            if self._tables:
+            table = None
+            if self._n_table_rows:
                 table = pa.concat_tables(self._tables) if len(self._tables) > 1 \
                     else self._tables[0]
                 self._check_refs()
-            else:
-                table = None
             if table is None and not self._staged and not self._reused:
                 self._done = True
                 head = self.log.head
@@ -747,10 +771,14 @@ class Transaction:
             self.abort()
             raise
         self._done = True
-        crash_point("manifest_published")
-        self.log._after_publish(m, keep_staging=self._has_kept_staging(m))
-        self.log._maybe_checkpoint(m.seq)
         self.commit_info = CommitInfo(m.seq, m.first_lsn, m.last_lsn)
+        crash_point("manifest_published")
+        try:  # the commit has landed: what follows is housekeeping a later open redoes
+            self.log._after_publish(m, keep_staging=self._has_kept_staging(m))
+            self.log._maybe_checkpoint(m.seq)
+        except Exception as exc:  # noqa: BLE001
+            _logger.warning("commit seq %d landed; promotion or checkpoint deferred: %s",
+                            m.seq, exc)
         return self.commit_info
 
     def _has_kept_staging(self, m: Manifest) -> bool:
@@ -763,6 +791,7 @@ class Transaction:
                 w.write_table(table)
 
         path = f"segments/{self.txn}.arrow"
+        self._segment_written = True
         size, sha = self.log.storage.write_hashed(path, fill, table.nbytes)
         crash_point("segment_written")
         return SegmentInfo(path, table.num_rows, size, sha, 0, 0)

@@ -49,11 +49,7 @@ def lease(log: EventLog, ttl_s: float = LEASE_TTL_S) -> Iterator[str]:
     body = orjson.dumps({"owner": owner, "expires": time.time() + ttl_s})
     st = log.storage
     if not st.put_if_absent(LEASE, body):
-        raw = st.read_or_none(LEASE)
-        try:
-            held = orjson.loads(raw) if raw is not None else None
-        except orjson.JSONDecodeError:
-            held = None
+        held = _read_lease(log)
         if held is not None and held.get("expires", 0) > time.time():
             raise LeaseHeld(f"{log.root}: maintenance lease held by {held.get('owner')} "
                             f"for {held['expires'] - time.time():.0f} s more")
@@ -63,9 +59,22 @@ def lease(log: EventLog, ttl_s: float = LEASE_TTL_S) -> Iterator[str]:
     try:
         yield owner
     finally:
-        raw = st.read_or_none(LEASE)
-        if raw is not None and orjson.loads(raw).get("owner") == owner:
+        held = _read_lease(log)
+        if held is not None and held.get("owner") == owner:
             st.delete(LEASE)
+
+
+def _read_lease(log: EventLog) -> dict[str, Any] | None:
+    """The lease document, or None when absent or unreadable (a damaged lease counts as
+    expired: it names no live holder)."""
+    raw = log.storage.read_or_none(LEASE)
+    try:
+        held = orjson.loads(raw) if raw is not None else None
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(held, dict) or not isinstance(held.get("expires"), int | float):
+        return None
+    return held
 
 
 # --- reduce ----------------------------------------------------------------------------
@@ -94,14 +103,24 @@ def reduce(
         log.refresh()
         done: list[tuple[ev.BlobRef, ev.BlobRef]] = []
         skipped: list[ev.BlobRef] = []
+        copies: dict[tuple[str, str], set[str]] = {}
         with log.transaction() as tx:
             for r in refs:
                 body = log.blobs.get(r)
                 if body is None:
                     skipped.append(r)
                     continue
+                key = (r.tenant, r.sha256)
+                with log._lock:  # every stored copy, before the reduction forgets them
+                    st = log._state
+                    copies[key] = {blob_path(*key)} | {
+                        p for p in (st.pending.get(key), st.recommitted.get(key, (0, None))[1])
+                        if p}
                 out = summarize(body)
-                data = out.encode() if isinstance(out, str) else bytes(out)
+                if not isinstance(out, bytes | str):
+                    raise ValidationError(f"reduce: summarize must return bytes or str, got "
+                                          f"{type(out).__name__}")
+                data = out.encode() if isinstance(out, str) else out
                 s = tx.put_blob(r.tenant, data)
                 if s.sha256 == r.sha256:
                     raise ValidationError(f"reduce: the summary of {r.sha256[:12]}… is the "
@@ -110,26 +129,13 @@ def reduce(
                 done.append((r, s))
         freed = 0
         for r, _s in done:
-            freed += _delete_body(log, (r.tenant, r.sha256))
+            for p in sorted(copies[(r.tenant, r.sha256)]):
+                size = log.storage.size(p)
+                if size is not None and log.storage.delete(p, check=False):
+                    freed += size
     info = tx.commit_info
     return ReduceReport(tuple(done), tuple(skipped), freed,
                         info.last_lsn if info and info.seq and done else None)
-
-
-def _delete_body(log: EventLog, key: tuple[str, str]) -> int:
-    """Delete every stored copy of a reduced body (blobs/ and committed staging)."""
-    freed = 0
-    st = log.storage
-    paths = [blob_path(*key)]
-    with log._lock:
-        staged = log._state.pending.get(key)
-    if staged:
-        paths.append(staged)
-    for p in paths:
-        size = st.size(p)
-        if size is not None and st.delete(p):
-            freed += size
-    return freed
 
 
 # --- vacuum ----------------------------------------------------------------------------

@@ -615,7 +615,17 @@ def event_from_row(row: Mapping[str, Any]) -> Event:
 
 
 def event_from_json(obj: Mapping[str, Any]) -> Event:
-    """Build an event from its JSON form: ``kind`` plus the class's fields (test vectors)."""
+    """Build an event from its JSON form: ``kind`` plus the class's fields (test vectors).
+    Any malformed part is a ``ValidationError``."""
+    try:
+        return _event_from_json(obj)
+    except ValidationError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+        raise ValidationError(f"event {dict(obj).get('kind')!r}: malformed: {exc!r}") from None
+
+
+def _event_from_json(obj: Mapping[str, Any]) -> Event:
     obj = dict(obj)
     kind = obj.pop("kind", None)
     if kind not in EVENT_CLASSES:
@@ -671,6 +681,9 @@ def validate_table(table: pa.Table, where: str = "table", now: datetime | None =
             col = pa.nulls(n, f.type)
         if f.name == "ts":
             col = pc.fill_null(col, pa.scalar(now, f.type))
+        elif not f.nullable and col.null_count:
+            i = _first_row(pc.is_null(col))
+            raise ValidationError(f"{where} row {i}: field {f.name!r} is required")
         cols.append(col)
     t = pa.Table.from_arrays(cols, schema=EVENT_SCHEMA.remove_metadata()).cast(EVENT_SCHEMA)
     _validate_columns(t, where)

@@ -254,3 +254,21 @@ def test_read_only_open_never_writes(tmp_path) -> None:
     with pytest.raises(pdm.PoimenError, match="read-only"):
         ro.transaction()
     assert snapshot_files(log) == before
+
+
+def test_bulk_nulls_in_required_columns_and_malformed_json_are_validation_errors(
+    tmp_path,
+) -> None:
+    log = pdm.open_log(str(tmp_path / "log"))
+    table = pa.table({"kind": ["run_started", None], "tenant": ["acme", "acme"],
+                      "run_id": ["r1", "r2"], "workflow_version": ["wf", "wf"]})
+    with pytest.raises(pdm.ValidationError, match=r"row 1: field 'kind' is required"):
+        with log.transaction() as tx:
+            tx.extend(table)
+    with pytest.raises(pdm.ValidationError, match="malformed"):
+        E.event_from_json({"kind": "attempt_dispatched", "tenant": "acme", "run_id": "r",
+                           "branch_id": 0, "step_id": "s", "step_index": 0, "attempt_no": 1,
+                           "prompt": {"tenant": "acme"}})
+    with log.transaction() as tx:  # an empty table is no commit at all
+        tx.extend(table.slice(0, 0))
+    assert tx.commit_info == pdm.CommitInfo(None, 1, 0) and log.head_seq == 0

@@ -205,3 +205,46 @@ def test_vacuum_removes_state_files_a_crashed_materialize_left(tmp_path: Path) -
     assert report.state_files_removed == len(orphans)
     assert sorted(log.storage.walk_files("state")) == kept
     assert pdm.check(log).ok
+
+
+def test_reduce_whose_summary_equals_another_reduced_body(tmp_path: Path) -> None:
+    log = pdm.open_log(str(tmp_path / "log"))
+
+    def summarize(b: bytes) -> bytes:
+        return b"[dropped %d bytes]" % len(b)
+
+    c = log.blobs.put("acme", b"c" * 100)
+    s1 = pdm.reduce(log, [c], summarize).reduced[0][1]
+    a = log.blobs.put("acme", b"a" * 100)
+    rep = pdm.reduce(log, [a, s1], summarize)  # a's summary is s1's bytes, s1 reduced too
+    assert [o for o, _ in rep.reduced] == [a, s1]
+    again = pdm.open_log(str(tmp_path / "log"))  # the log still opens
+    assert (again.blobs.get(a), again.blobs.get(c), again.blobs.get(s1)) == (None, None, None)
+
+
+def test_recommitted_body_stays_usable_after_vacuum_and_reduce_removes_every_copy(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "log")
+    log = pdm.open_log(url)
+    x = log.blobs.put("acme", b"body x " * 10)
+    pdm.reduce(log, [x], lambda b: b"x'")
+    assert log.blobs.put("acme", b"body x " * 10) == x  # committed again: kept in staging
+    assert log.blobs.get(x) == b"body x " * 10
+    pdm.vacuum(log, grace=0)  # promotes it under the lease
+    for opened in (log, pdm.open_log(url)):
+        with opened.transaction() as tx:
+            tx.append(E.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=x))
+    log.write_checkpoint()
+    fresh = pdm.open_log(url)
+    rep = pdm.reduce(fresh, [x], lambda b: b"x''")
+    assert rep.bytes_freed == x.size
+    assert not any(x.sha256 in f for f in fresh.storage.walk_files(""))
+
+
+def test_reduce_rejects_a_summarizer_that_returns_no_bytes(tmp_path: Path) -> None:
+    log = pdm.open_log(str(tmp_path / "log"))
+    x = log.blobs.put("acme", b"body")
+    with pytest.raises(pdm.ValidationError, match="summarize must return bytes or str"):
+        pdm.reduce(log, [x], lambda b: 3)  # type: ignore[arg-type, return-value]
+    assert log.blobs.get(x) == b"body"
