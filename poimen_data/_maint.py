@@ -319,6 +319,7 @@ def compact(log: EventLog, *, target_rows: int = COMPACT_TARGET_ROWS,
         new: list[SegmentInfo] = []
         for i, g in enumerate(groups):
             table = pa.concat_tables([log._segment_table(s) for s in g]).cast(ev.LOG_SCHEMA)
+            table = table.combine_chunks()  # one record batch, not one per old segment
 
             def fill(sink: Any, table: pa.Table = table) -> None:
                 with pa.ipc.new_file(sink, ev.LOG_SCHEMA) as w:
