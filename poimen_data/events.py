@@ -743,10 +743,14 @@ def _validate_columns(t: pa.Table, where: str) -> None:
     # Per kind, how many rows carry each column: one grouped pass answers "required" and
     # "not a field of this kind" for every column; a row is looked for only on a fault.
     names = [nm for nm in EVENT_SCHEMA.names if nm not in ("ts", "kind", "tenant")]
-    flags = pa.table({"kind": kind, **{nm: pc.is_valid(t.column(nm)) for nm in names}})
-    counts = flags.group_by("kind").aggregate([(nm, "sum") for nm in names]
-                                              + [("kind", "count")])
-    for row in counts.to_pylist():
+    if len(present) == 1:  # one kind (the usual bulk table): counts without grouping
+        counts_rows = [{"kind": next(iter(present)), "kind_count": n,
+                        **{f"{nm}_sum": n - t.column(nm).null_count for nm in names}}]
+    else:
+        flags = pa.table({"kind": kind, **{nm: pc.is_valid(t.column(nm)) for nm in names}})
+        counts_rows = flags.group_by("kind").aggregate(
+            [(nm, "sum") for nm in names] + [("kind", "count")]).to_pylist()
+    for row in counts_rows:
         k, total = row["kind"], row["kind_count"]
         if k not in KIND_COLUMNS:
             continue
