@@ -14,25 +14,21 @@ import hashlib
 import logging
 import os
 import threading
-import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from . import events as ev
 from ._blobs import FsBlobStore
+from ._faults import crash_point
 from ._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     POINTER,
-    BlobEntry,
     Manifest,
     SegmentInfo,
     blob_path,
@@ -40,31 +36,14 @@ from ._manifest import (
     dumps,
     loads,
     manifest_path,
-    staged_blob_path,
 )
 from ._storage import Storage
+from ._txn import BlobKey, CommitInfo, Transaction, _now_iso
 from .errors import CommitConflict, CorruptionError, NotFound, PoimenError, ValidationError
 
-CRASH_POINTS = (
-    "blob_staged",
-    "segment_written",
-    "manifest_published",
-    "blobs_promoted",
-    "state_written",
-    "state_published",
-)
 DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
 MAX_AMBIGUOUS = 5
-BlobKey = tuple[str, str]  # (tenant, sha256)
-
-
-def crash_point(name: str) -> None:
-    """Die here (``os._exit(137)``) when ``POIMEN_CRASH_AT`` names this point (crash tests)."""
-    if os.environ.get("POIMEN_CRASH_AT") == name:
-        os._exit(137)
-
-
 _logger = logging.getLogger("poimen_data")
 _LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
 
@@ -77,21 +56,6 @@ def _flush_all() -> None:
             log.flush()
         except Exception:  # noqa: BLE001 - the next open rolls forward what is left
             pass
-
-
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def _now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds")
-
-
-@dataclass(frozen=True, slots=True)
-class CommitInfo:
-    seq: int | None
-    first_lsn: int
-    last_lsn: int
 
 
 class _State:
@@ -598,231 +562,6 @@ class EventLog:
                     self._state.apply(m)
                     return m
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
-
-
-class Transaction:
-    """A batch of blobs and events that becomes visible at once, or not at all."""
-
-    def __init__(self, log: EventLog) -> None:
-        self.log = log
-        self.txn = uuid.uuid4().hex
-        self._events: list[ev.Event] = []
-        self._stamps: list[datetime] = []
-        self._tables: list[pa.Table] = []
-        self._staged: dict[BlobKey, BlobEntry] = {}
-        self._reused: dict[BlobKey, bytes] = {}
-        self._failed: BaseException | None = None
-        self._done = False
-        self._n_table_rows = 0
-        self._segment_written = False
-        self._seen_refs: set[Any] = set()  # refs and value objects validated already
-        self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
-        self.commit_info: CommitInfo | None = None
-
-    def __enter__(self) -> Transaction:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-    @property
-    def n_events(self) -> int:
-        return self._n_table_rows + len(self._events)
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise PoimenError("transaction already committed or aborted")
-
-    # -- blobs --------------------------------------------------------------------
-
-    def put_blob(self, tenant: str, data: bytes) -> ev.BlobRef:
-        """Stage a body (or reuse the committed one with the same hash) and return its ref."""
-        self._check_open()
-        ev.check_tenant(tenant, "put_blob")
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise ValidationError(f"put_blob: field 'data' must be bytes, got "
-                                  f"{type(data).__name__}")
-        data = bytes(data)
-        sha = hashlib.sha256(data).hexdigest()
-        key = (tenant, sha)
-        ref = ev.BlobRef(tenant, sha, len(data))
-        if key in self._staged or key in self._reused:
-            return ref
-        if self.log._body_present(key):
-            self._reused[key] = data
-            return ref
-        self._stage(key, data)
-        return ref
-
-    def _stage(self, key: BlobKey, data: bytes) -> None:
-        path = staged_blob_path(self.txn, *key)
-        self.log.storage.write(path, data)
-        self._staged[key] = BlobEntry(key[0], key[1], len(data), path)
-        crash_point("blob_staged")
-
-    # -- events -------------------------------------------------------------------
-
-    def append(self, event: ev.Event) -> None:
-        if self._done:
-            self._check_open()
-        try:
-            ev.validate_event(event, self._n_table_rows + len(self._events), self._seen_refs)
-        except ValidationError as exc:
-            self._failed = exc
-            raise
-        self._events.append(event)
-        self._stamps.append(_utcnow() if event.ts is None else event.ts)
-
-    def extend(self, events: Iterable[ev.Event] | pa.Table) -> None:
-        """Append many events: event objects, or a ``pyarrow.Table`` (the bulk fast path)."""
-        self._check_open()
-        if isinstance(events, pa.Table | pa.RecordBatch):
-            table = pa.Table.from_batches([events]) if isinstance(events, pa.RecordBatch) \
-                else events
-            try:
-                t = ev.validate_table(table, f"table (events from {self.n_events})")
-            except ValidationError as exc:
-                self._failed = exc
-                raise
-            if self._events:
-                self._flush_objects()
-            self._tables.append(t)
-            self._bulk.append(t)
-            self._n_table_rows += t.num_rows
-            return
-        for e in events:
-            self.append(e)
-
-    def _flush_objects(self) -> None:
-        if self._events:
-            self._tables.append(ev.events_to_table(self._events, self._stamps))
-            self._n_table_rows += len(self._events)
-            self._events, self._stamps = [], []
-
-    # -- commit -------------------------------------------------------------------
-
-    def abort(self) -> None:
-        """Drop everything staged; nothing of this transaction becomes visible."""
-        if self._done:
-            return
-        self._done = True
-        if self.txn in self.log._unknown:
-            return  # it may have landed: leave its files to vacuum's reachability check
-        if self._staged:
-            self.log.storage.delete_tree(f"_staging/{self.txn}")
-        if self._segment_written:
-            self.log.storage.delete(f"segments/{self.txn}.arrow")
-
-    def _check_refs(self) -> None:
-        """Every ref must be a body of this transaction or a committed, unreduced one."""
-        mine = set(self._staged) | set(self._reused)
-        refs = {r for r in self._seen_refs if type(r) is ev.BlobRef}
-        for t in self._bulk:
-            refs |= ev.table_refs(t)
-        for ref in refs:
-            key = (ref.tenant, ref.sha256)
-            if key in mine:
-                continue
-            if not self.log._body_present(key):
-                self.log.refresh()  # committed by another process since we last looked?
-            if not self.log._body_present(key):
-                self._failed = ValidationError(
-                    f"event ref {ref.sha256[:12]}… of tenant {ref.tenant!r}: no committed "
-                    "body (put it with tx.put_blob in this transaction)"
-                )
-                raise self._failed
-            if ref.size != self._committed_size(key):
-                self._failed = ValidationError(
-                    f"event ref {ref.sha256[:12]}…: size {ref.size} does not match the body"
-                )
-                raise self._failed
-
-    def _committed_size(self, key: BlobKey) -> int | None:
-        size = self.log.storage.size(blob_path(*key))
-        if size is None:
-            _reduced, staged = self.log._blob_location(key)
-            size = self.log.storage.size(staged) if staged else None
-        return size
-
-    def commit(self) -> CommitInfo:
-        self._check_open()
-        if self._failed is not None:
-            self.abort()
-            raise ValidationError(f"transaction rejected whole: {self._failed}")
-        try:
-            self._flush_objects()
-            table = None
-            if self._n_table_rows:
-                table = pa.concat_tables(self._tables) if len(self._tables) > 1 \
-                    else self._tables[0]
-                self._check_refs()
-            if table is None and not self._staged and not self._reused:
-                self._done = True
-                head = self.log.head
-                self.commit_info = CommitInfo(None, head + 1, head)
-                return self.commit_info
-            seg = self._write_segment(table) if table is not None else None
-            m = self.log._publish(lambda seq, first: self._manifest(seq, first, seg, table),
-                                  self.txn)
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-        self.commit_info = CommitInfo(m.seq, m.first_lsn, m.last_lsn)
-        crash_point("manifest_published")
-        try:  # the commit has landed: what follows is housekeeping a later open redoes
-            self.log._after_publish(m, keep_staging=self._has_kept_staging(m))
-            self.log._maybe_checkpoint(m.seq)
-        except Exception as exc:  # noqa: BLE001
-            _logger.warning("commit seq %d landed; promotion or checkpoint deferred: %s",
-                            m.seq, exc)
-        return self.commit_info
-
-    def _has_kept_staging(self, m: Manifest) -> bool:
-        return any(b.staged and (b.tenant, b.sha256) in self.log._state.reduced
-                   for b in m.blobs)
-
-    def _write_segment(self, table: pa.Table) -> SegmentInfo:
-        def fill(sink: Any) -> None:
-            with pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
-
-        path = f"segments/{self.txn}.arrow"
-        self._segment_written = True
-        size, sha = self.log.storage.write_hashed(path, fill, table.nbytes)
-        crash_point("segment_written")
-        return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
-
-    def _manifest(self, seq: int, first: int, seg: SegmentInfo | None,
-                  table: pa.Table | None) -> Manifest:
-        # A body reused at put time may have been reduced since: stage it ourselves now,
-        # before the publish, so this commit never points at a body a reducer deletes.
-        for key, data in list(self._reused.items()):
-            if self.log._state.is_reduced(key) or not self.log._body_present(key):
-                del self._reused[key]
-                self._stage(key, data)
-        blobs = [self._staged[k] for k in sorted(self._staged)]
-        blobs += [ev_entry for k in sorted(self._reused)
-                  for ev_entry in (BlobEntry(k[0], k[1], len(self._reused[k]), None),)]
-        reduces: list[tuple[str, str]] = []
-        if table is not None:
-            mask = pc.equal(table.column("kind"), "blob_reduced")
-            if pc.any(mask).as_py():
-                for d in table.filter(mask).column("original").to_pylist():
-                    reduces.append((d["tenant"], d["sha256"]))
-        segs: tuple[SegmentInfo, ...] = ()
-        n = 0
-        if seg is not None:
-            segs = (SegmentInfo(seg.path, seg.rows, seg.size, seg.sha256, first, seq),)
-            n = seg.rows
-        return Manifest(
-            seq=seq, txn=self.txn, kind="append" if n else "blobs", first_lsn=first,
-            n_events=n, ts=_now_iso(), segments=segs, blobs=tuple(blobs),
-            reduces=tuple(sorted(set(reduces))),
-        )
 
 
 # -- opening ---------------------------------------------------------------------------

@@ -27,8 +27,9 @@ import orjson
 import pyarrow as pa
 
 from . import events as ev
-from ._log import EventLog, _now_iso
+from ._log import EventLog
 from ._manifest import Manifest, SegmentInfo, blob_path
+from ._txn import _now_iso
 from .errors import CorruptionError, LeaseHeld, ValidationError
 
 LEASE = "_lease.json"

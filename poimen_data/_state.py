@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import events as ev
+from ._faults import crash_point
 from ._fold import (
     FOLD_VERSION,
     PER_RUN_TABLES,
@@ -39,7 +40,7 @@ from ._fold import (
     new_connection,
     run_events,
 )
-from ._log import EventLog, crash_point
+from ._log import EventLog
 from ._manifest import FORMAT_NAME, FORMAT_VERSION, dumps, loads
 from .errors import CorruptionError
 
