@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import events as ev
+from ._arrow import events_to_table, table_refs, validate_table
 from ._faults import crash_point
 from ._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
 from .errors import PoimenError, ValidationError
@@ -127,7 +128,7 @@ class Transaction:
             table = pa.Table.from_batches([events]) if isinstance(events, pa.RecordBatch) \
                 else events
             try:
-                t = ev.validate_table(table, f"table (events from {self.n_events})")
+                t = validate_table(table, f"table (events from {self.n_events})")
             except ValidationError as exc:
                 self._failed = exc
                 raise
@@ -142,7 +143,7 @@ class Transaction:
 
     def _flush_objects(self) -> None:
         if self._events:
-            self._tables.append(ev.events_to_table(self._events, self._stamps))
+            self._tables.append(events_to_table(self._events, self._stamps))
             self._n_table_rows += len(self._events)
             self._events, self._stamps = [], []
 
@@ -165,7 +166,7 @@ class Transaction:
         mine = set(self._staged) | set(self._reused)
         refs = {r for r in self._seen_refs if type(r) is ev.BlobRef}
         for t in self._bulk:
-            refs |= ev.table_refs(t)
+            refs |= table_refs(t)
         for ref in refs:
             key = (ref.tenant, ref.sha256)
             if key in mine:

@@ -1,0 +1,292 @@
+"""The Arrow side of events: converting event objects to a segment table, and validating
+a bulk table of events column-wise with the same rules as ``events.validate_event``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import fields
+from datetime import UTC, datetime
+from decimal import Decimal
+from operator import attrgetter
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import ValidationError
+from .events import (
+    _REQUIRED,
+    CONTEXT_TYPE,
+    COST_QUANTUM,
+    COST_TYPE,
+    EVENT_CLASSES,
+    EVENT_SCHEMA,
+    KIND_COLUMNS,
+    KINDS,
+    REF_COLUMNS,
+    REF_TYPE,
+    RUN_ID_RE,
+    RUN_OUTCOMES,
+    SHA256_RE,
+    TENANT_RE,
+    TERMINAL_ATTEMPT_STATES,
+    TOOLS_TYPE,
+    USAGE_TYPE,
+    VERIFIER_RE,
+    BlobRef,
+    Event,
+    _bad,
+)
+
+# --- conversion ---------------------------------------------------------------------
+
+
+def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
+    """A struct column from value objects (or None) without building one dict per row."""
+    mask = [v is None for v in values]
+    if all(mask):
+        return pa.nulls(n, typ)
+    children = []
+    for f in typ:
+        vals = [None if v is None else getattr(v, f.name) for v in values]
+        if f.type == COST_TYPE:
+            vals = [None if x is None else x if type(x) is Decimal and x.as_tuple().exponent
+                    == -9 else Decimal(x).quantize(COST_QUANTUM) for x in vals]
+        elif pa.types.is_floating(f.type):
+            vals = [None if x is None else float(x) for x in vals]
+        children.append(pa.array(vals, f.type))
+    return pa.StructArray.from_arrays(children, fields=list(typ), mask=pa.array(mask))
+
+
+_STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
+                   "summary": REF_TYPE, "context": CONTEXT_TYPE, "usage": USAGE_TYPE,
+                   "tools": TOOLS_TYPE}
+
+
+_GETTERS = {c: attrgetter(*(f.name for f in fields(c))) for c in EVENT_CLASSES.values()}
+_FIELDS = {c: tuple(f.name for f in fields(c)) for c in EVENT_CLASSES.values()}
+
+
+def _column(name: str, typ: pa.DataType, values: Sequence[Any], n: int) -> pa.Array:
+    struct = _STRUCT_COLUMNS.get(name)
+    if struct is not None:
+        return _struct(struct, values, n)
+    if name == "labels":
+        return pa.array([None if v is None else sorted(v.items()) for v in values], typ)
+    return pa.array(values, typ)
+
+
+def events_to_table(events: Sequence[Event], stamps: Sequence[datetime]) -> pa.Table:
+    """Turn validated events (with their append-time stamps) into one EVENT_SCHEMA table.
+
+    Events are taken class by class: one ``attrgetter`` call per event reads all its
+    fields, the columns a class does not have are all-null arrays (free), and the pieces
+    are put back in append order with one ``take``.
+    """
+    positions: dict[type, list[int]] = {}
+    for i, e in enumerate(events):
+        positions.setdefault(type(e), []).append(i)
+    parts: list[pa.Table] = []
+    for cls, idx in positions.items():
+        evs = [events[i] for i in idx] if len(positions) > 1 else list(events)
+        k = len(evs)
+        cols = dict(zip(_FIELDS[cls], zip(*map(_GETTERS[cls], evs), strict=True), strict=True))
+        ts = [e.ts if e.ts is not None else stamps[i]
+              for e, i in zip(evs, idx, strict=True)]
+        arrays = []
+        for f in EVENT_SCHEMA:
+            if f.name == "ts":
+                arrays.append(pa.array(ts, f.type))
+            elif f.name == "kind":
+                arrays.append(pa.array([cls.kind] * k, f.type))
+            elif f.name in cols:
+                arrays.append(_column(f.name, f.type, cols[f.name], k))
+            else:
+                arrays.append(pa.nulls(k, f.type))
+        parts.append(pa.Table.from_arrays(arrays, schema=EVENT_SCHEMA))
+    if len(parts) == 1:
+        return parts[0]
+    order = pa.array([i for idx in positions.values() for i in idx], pa.int64())
+    return pa.concat_tables(parts).take(pc.sort_indices(order))
+
+
+# --- bulk validation -----------------------------------------------------------------
+
+
+def validate_table(table: pa.Table, where: str = "table", now: datetime | None = None) -> pa.Table:
+    """Validate a bulk table of events and return it conformed to ``EVENT_SCHEMA``.
+
+    Missing optional columns are filled with nulls and a missing or null ``ts`` is stamped
+    with ``now``. The checks are the ones ``validate_event`` makes, vectorized; the first
+    fault names its row and field.
+    """
+    extra = set(table.column_names) - set(EVENT_SCHEMA.names)
+    if extra:
+        raise ValidationError(f"{where}: unknown columns {sorted(extra)}")
+    n = table.num_rows
+    now = now or datetime.now(UTC)
+    cols = []
+    for f in EVENT_SCHEMA:
+        if f.name in table.column_names:
+            col = table.column(f.name)
+            if col.type != f.type:
+                try:
+                    col = col.cast(f.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                    raise ValidationError(
+                        f"{where}: column {f.name!r} has type {col.type}, "
+                        f"expected {f.type}: {exc}"
+                    ) from None
+        else:
+            col = pa.nulls(n, f.type)
+        if f.name == "ts":
+            col = pc.fill_null(col, pa.scalar(now, f.type))
+        elif not f.nullable and col.null_count:
+            i = _first_row(pc.is_null(col))
+            raise ValidationError(f"{where} row {i}: field {f.name!r} is required")
+        cols.append(col)
+    t = pa.Table.from_arrays(cols, schema=EVENT_SCHEMA.remove_metadata()).cast(EVENT_SCHEMA)
+    _validate_columns(t, where)
+    return t.combine_chunks()
+
+
+def _first_row(mask: pa.ChunkedArray | pa.Array) -> int | None:
+    mask = pc.fill_null(mask, True)
+    if not pc.any(mask).as_py():
+        return None
+    return int(pc.index(mask, True).as_py())
+
+
+def _fail_where(t: pa.Table, where: str, mask: Any, fld: str, msg: str) -> None:
+    i = _first_row(mask)
+    if i is not None:
+        kind = t.column("kind")[i].as_py()
+        raise _bad(f"{where} row {i} ({kind})", fld, msg)
+
+
+_REQUIRED_BY: dict[str, frozenset[str]] = {
+    name: frozenset(k for k, req in _REQUIRED.items() if name in req) for name in EVENT_SCHEMA.names
+}
+_MINIMUM = {"branch_id": 0, "step_index": 0, "attempt_no": 1, "parent_branch_id": 0,
+            "fork_step_index": 0, "snapshot_lsn": 1}
+
+
+def _all_match(col: pa.ChunkedArray, pattern: re.Pattern[str]) -> bool:
+    """Whether every non-null value matches: checked on the distinct values only (a log
+    repeats its tenants, run ids and bodies many times)."""
+    values = pc.unique(col.drop_null())
+    return bool(pc.all(pc.match_substring_regex(values, f"^{pattern.pattern}$")).as_py()
+                in (True, None))
+
+
+def _validate_columns(t: pa.Table, where: str) -> None:
+    """The checks of ``validate_event``, one pass per column: a column is only looked at
+    row by row when its null count or its min/max says a row may be at fault."""
+    kind = t.column("kind")
+    n = t.num_rows
+    present = set(pc.unique(kind).to_pylist())
+    if not present <= set(KINDS):
+        _fail_where(t, where, pc.invert(pc.is_in(kind, pa.array(KINDS))), "kind",
+                    f"must be one of {KINDS}")
+    tenant = t.column("tenant")
+    if not _all_match(tenant, TENANT_RE):
+        _fail_where(t, where, pc.invert(pc.match_substring_regex(
+            tenant, f"^{TENANT_RE.pattern}$")), "tenant", f"must match {TENANT_RE.pattern}")
+    run_id = t.column("run_id")
+    if not _all_match(run_id, RUN_ID_RE) or (
+            run_id.null_count and present - {"blob_reduced"}):
+        run_ok = pc.fill_null(pc.match_substring_regex(run_id, f"^{RUN_ID_RE.pattern}$"),
+                              False)
+        if "blob_reduced" in present:
+            run_ok = pc.or_(run_ok, pc.equal(kind, "blob_reduced"))
+        _fail_where(t, where, pc.invert(run_ok), "run_id", f"must match {RUN_ID_RE.pattern}")
+    # Per kind, how many rows carry each column: one grouped pass answers "required" and
+    # "not a field of this kind" for every column; a row is looked for only on a fault.
+    names = [nm for nm in EVENT_SCHEMA.names if nm not in ("ts", "kind", "tenant")]
+    if len(present) == 1:  # one kind (the usual bulk table): counts without grouping
+        counts_rows = [{"kind": next(iter(present)), "kind_count": n,
+                        **{f"{nm}_sum": n - t.column(nm).null_count for nm in names}}]
+    else:
+        flags = pa.table({"kind": kind, **{nm: pc.is_valid(t.column(nm)) for nm in names}})
+        counts_rows = flags.group_by("kind").aggregate(
+            [(nm, "sum") for nm in names] + [("kind", "count")]).to_pylist()
+    for row in counts_rows:
+        k, total = row["kind"], row["kind_count"]
+        if k not in KIND_COLUMNS:
+            continue
+        for nm in names:
+            have = row[f"{nm}_sum"] or 0
+            if k in _REQUIRED_BY[nm] and have < total:
+                _fail_where(t, where, pc.and_(pc.equal(kind, k), pc.is_null(t.column(nm))),
+                            nm, "is required")
+            if nm not in KIND_COLUMNS[k] and have:
+                _fail_where(t, where, pc.and_(pc.equal(kind, k), pc.is_valid(t.column(nm))),
+                            nm, f"is not a field of {k}")
+    for name in names:
+        col = t.column(name)
+        nulls = col.null_count
+        minimum = _MINIMUM.get(name)
+        if minimum is not None and nulls < n:
+            lo = pc.min_max(col)["min"].as_py()
+            if lo is not None and lo < minimum:
+                _fail_where(t, where, pc.fill_null(pc.less(col, minimum), False), name,
+                            f"must be >= {minimum}")
+    if "branch_forked" in present:
+        forked = pc.equal(kind, "branch_forked")
+        _fail_where(t, where, pc.and_(forked, pc.fill_null(
+            pc.greater_equal(t.column("parent_branch_id"), t.column("branch_id")), False)),
+            "parent_branch_id", "must be lower than branch_id")
+        _fail_where(t, where, pc.and_(forked, pc.fill_null(pc.less(t.column("branch_id"), 1),
+                                                            False)), "branch_id", "must be >= 1")
+    if present & {"attempt_finished", "attempt_recovered"}:
+        _fail_where(t, where, pc.and_(
+            pc.is_in(kind, pa.array(["attempt_finished", "attempt_recovered"])),
+            pc.invert(pc.fill_null(pc.is_in(t.column("state"),
+                                            pa.array(TERMINAL_ATTEMPT_STATES)), False))),
+            "state", f"must be one of {TERMINAL_ATTEMPT_STATES}")
+    if "run_finished" in present:
+        _fail_where(t, where, pc.and_(pc.equal(kind, "run_finished"), pc.invert(pc.fill_null(
+            pc.is_in(t.column("outcome"), pa.array(RUN_OUTCOMES)), False))), "outcome",
+            f"must be one of {RUN_OUTCOMES}")
+    if "verdict_recorded" in present and not _all_match(t.column("verifier"), VERIFIER_RE):
+        _fail_where(t, where, pc.and_(pc.equal(kind, "verdict_recorded"), pc.invert(
+            pc.fill_null(pc.match_substring_regex(t.column("verifier"),
+                                                  f"^{VERIFIER_RE.pattern}$"), False))),
+            "verifier", "must be 'name@version'")
+    step = t.column("step_id")
+    if step.null_count < n and pc.min_max(pc.utf8_length(step))["min"].as_py() == 0:
+        _fail_where(t, where, pc.equal(step, ""), "step_id", "must be non-empty")
+    for name in REF_COLUMNS:
+        col = t.column(name)
+        if col.null_count == n:
+            continue
+        valid = pc.is_valid(col)
+        sha = pc.struct_field(col, "sha256")
+        ok = pc.and_(pc.equal(pc.struct_field(col, "tenant"), tenant),
+                     pc.greater_equal(pc.struct_field(col, "size"), 0))
+        bad = pc.and_(valid, pc.invert(pc.fill_null(ok, False)))
+        if pc.any(bad).as_py() or not _all_match(sha, SHA256_RE):
+            _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
+                pc.match_substring_regex(sha, "^[0-9a-f]{64}$"), False))), name,
+                "sha256 must be 64 lowercase hex digits")
+            _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
+                pc.equal(pc.struct_field(col, "tenant"), tenant), False))), name,
+                "belongs to another tenant than the event")
+            _fail_where(t, where, bad, name, "size must be >= 0")
+
+
+def table_refs(t: pa.Table) -> set[BlobRef]:
+    """Every distinct ref a validated event table points at."""
+    out: set[BlobRef] = set()
+    for name in REF_COLUMNS:
+        col = t.column(name)
+        if col.null_count == len(col):
+            continue
+        col = col.drop_null()
+        flat = pa.table({f: pc.struct_field(col, f) for f in ("tenant", "sha256", "size")})
+        uniq = flat.group_by(["tenant", "sha256", "size"]).aggregate([])
+        out.update(BlobRef(*row) for row in zip(*(uniq.column(c).to_pylist()
+                                                  for c in ("tenant", "sha256", "size")),
+                                                strict=True))
+    return out
