@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ def s3() -> Iterator[S3Endpoint]:
     import boto3
     from moto.server import ThreadedMotoServer
 
+    _make_moto_conditional_put_atomic()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -46,6 +48,28 @@ def s3() -> Iterator[S3Endpoint]:
     ).create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
     yield S3Endpoint(url)
     server.stop()
+
+
+_PUT_LOCK = threading.Lock()
+
+
+def _make_moto_conditional_put_atomic() -> None:
+    """moto checks ``If-None-Match: *`` and then stores the key in two steps, with no
+    lock between them, so two racing PUTs can both succeed; real S3 makes the
+    conditional PUT atomic. Serializing moto's PUT handler gives the emulator S3's
+    guarantee back (four writers racing on moto once lost a commit without it)."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response.put_object, "_poimen_atomic", False):
+        return
+    original = S3Response.put_object
+
+    def put_object(self: S3Response) -> object:
+        with _PUT_LOCK:
+            return original(self)
+
+    put_object._poimen_atomic = True  # type: ignore[attr-defined]
+    S3Response.put_object = put_object  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)
