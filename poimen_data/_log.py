@@ -187,6 +187,7 @@ class EventLog:
         self._tables: dict[str, pa.Table] = {}
         self._unknown: set[str] = set()  # txns whose publish failed without telling if it landed
         self._promoter: ThreadPoolExecutor | None = None
+        self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
         self._promotions: list[Future[None]] = []
         self.blobs = FsBlobStore(self)
         self._load()
@@ -457,6 +458,7 @@ class EventLog:
 
     def _promote_commit(self, m: Manifest, keep_staging: bool) -> None:
         self._promote(m)
+        self._promoted.add(m.txn)
         if self.storage.kind != "s3" and not keep_staging:  # S3 has no directories
             self.storage.delete_tree(f"_staging/{m.txn}")
         crash_point("blobs_promoted")
@@ -505,7 +507,8 @@ class EventLog:
             if seq is not None and seq != st.seq:
                 return 0  # the head moved on; a later commit writes the next one
             for m in st.manifests_since_checkpoint:
-                self._promote(m)
+                if m.txn not in self._promoted:  # ours are done (flush above)
+                    self._promote(m)
             sink = pa.BufferOutputStream()
             table = st.segments_table()
             with pa.ipc.new_file(sink, table.schema) as w:
@@ -520,6 +523,7 @@ class EventLog:
                                                "version": FORMAT_VERSION, "seq": st.seq}))
             st.checkpoint_seq = st.seq
             st.manifests_since_checkpoint = []
+            self._promoted.clear()
             st.pending = {}
             return st.seq
 
