@@ -21,6 +21,7 @@ import pytest
 import poimen_data as pdm
 from poimen_data import _fold
 from poimen_data import events as ev
+from poimen_data.testing import CountingBlobStore as CountingBlobs
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 T = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -73,16 +74,6 @@ def log(tmp_path: Path) -> pdm.EventLog:
     return pdm.open_log(tmp_path / "log")
 
 
-class CountingBlobs:
-    def __init__(self, inner: pdm.BlobStore) -> None:
-        self.inner, self.gets = inner, 0
-
-    def get(self, ref: pdm.BlobRef) -> bytes | None:
-        self.gets += 1
-        return self.inner.get(ref)
-
-    def put(self, tenant: str, data: bytes) -> pdm.BlobRef:
-        return self.inner.put(tenant, data)
 
 
 # --- shape -----------------------------------------------------------------------------

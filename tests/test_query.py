@@ -14,22 +14,11 @@ import poimen_data as pdm
 from poimen_data import _state
 from poimen_data import events as ev
 from poimen_data._manifest import dumps
+from poimen_data.testing import CountingBlobStore as CountingBlobs
 
 TS = "2026-03-01T12:00:00+00:00"
 
 
-class CountingBlobs:
-    """Counts ``get`` calls on its way to the real store (this test's own wrapper)."""
-
-    def __init__(self, inner: pdm.BlobStore) -> None:
-        self.inner, self.gets = inner, 0
-
-    def get(self, ref: pdm.BlobRef) -> bytes | None:
-        self.gets += 1
-        return self.inner.get(ref)
-
-    def put(self, tenant: str, data: bytes) -> pdm.BlobRef:
-        return self.inner.put(tenant, data)
 
 
 def commit(log: pdm.EventLog, *events: ev.Event) -> pdm.CommitInfo:
