@@ -11,6 +11,7 @@ from decimal import Decimal
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -121,6 +122,25 @@ def validate_table(table: pa.Table, where: str = "table", now: datetime | None =
     with ``now``. The checks are the ones ``validate_event`` makes, vectorized; the first
     fault names its row and field.
     """
+    if table.schema.equals(EVENT_SCHEMA):  # the usual bulk writer's table: nothing to conform
+        t = table.replace_schema_metadata(None) if table.schema.metadata else table
+        ts = t.column("ts")
+        if ts.null_count:
+            t = t.set_column(0, EVENT_SCHEMA.field("ts"),
+                             pc.fill_null(ts, pa.scalar(now or datetime.now(UTC), ts.type)))
+        for i, f in enumerate(EVENT_SCHEMA):
+            if not f.nullable and f.name != "ts" and t.column(i).null_count:
+                row = _first_row(pc.is_null(t.column(i)))
+                raise ValidationError(f"{where} row {row}: field {f.name!r} is required")
+    else:
+        t = _conform(table, where, now)
+    _validate_columns(t, where)
+    return t.combine_chunks()
+
+
+def _conform(table: pa.Table, where: str, now: datetime | None) -> pa.Table:
+    """A table with other column order, types or missing optional columns, cast to
+    ``EVENT_SCHEMA`` column by column (a cast that fails names its column)."""
     extra = set(table.column_names) - set(EVENT_SCHEMA.names)
     if extra:
         raise ValidationError(f"{where}: unknown columns {sorted(extra)}")
@@ -146,9 +166,7 @@ def validate_table(table: pa.Table, where: str = "table", now: datetime | None =
             i = _first_row(pc.is_null(col))
             raise ValidationError(f"{where} row {i}: field {f.name!r} is required")
         cols.append(col)
-    t = pa.Table.from_arrays(cols, schema=EVENT_SCHEMA.remove_metadata()).cast(EVENT_SCHEMA)
-    _validate_columns(t, where)
-    return t.combine_chunks()
+    return pa.Table.from_arrays(cols, schema=EVENT_SCHEMA.remove_metadata()).cast(EVENT_SCHEMA)
 
 
 def _first_row(mask: pa.ChunkedArray | pa.Array) -> int | None:
@@ -172,12 +190,46 @@ _MINIMUM = {"branch_id": 0, "step_index": 0, "attempt_no": 1, "parent_branch_id"
             "fork_step_index": 0, "snapshot_lsn": 1}
 
 
+_PY_REGEX_LIMIT = 4096  # up to this many distinct values, Python's re checks them
+
+
 def _all_match(col: pa.ChunkedArray, pattern: re.Pattern[str]) -> bool:
     """Whether every non-null value matches: checked on the distinct values only (a log
-    repeats its tenants, run ids and bodies many times)."""
+    repeats its tenants, run ids and bodies many times). A few distinct values are checked
+    with Python's ``re`` (what ``validate_event`` uses): compiling the pattern in Arrow
+    costs more than matching a small table."""
     values = pc.unique(col.drop_null())
+    if len(values) <= _PY_REGEX_LIMIT:
+        match = pattern.fullmatch
+        return all(match(v) for v in values.to_pylist())
     return bool(pc.all(pc.match_substring_regex(values, f"^{pattern.pattern}$")).as_py()
                 in (True, None))
+
+
+def _kind_counts(t: pa.Table, names: list[str], present: set[str]) -> list[dict[str, Any]]:
+    """Per kind present, its row count and how many of its rows carry each column."""
+    kind = t.column("kind")
+    n = t.num_rows
+    if len(present) == 1:  # one kind (the usual bulk table): the null counts say it all
+        return [{"kind": next(iter(present)), "kind_count": n,
+                 **{f"{nm}_sum": n - t.column(nm).null_count for nm in names}}]
+    if not present:
+        return []
+    kinds = sorted(present)
+    codes = pc.index_in(kind, pa.array(kinds, pa.string())).to_numpy(zero_copy_only=False)
+    total = np.bincount(codes, minlength=len(kinds))
+    rows = [{"kind": k, "kind_count": int(total[j])} for j, k in enumerate(kinds)]
+    for nm in names:
+        col = t.column(nm)
+        nulls = col.null_count
+        if nulls in (0, n):  # every row, or none, carries it
+            have = total if nulls == 0 else np.zeros(len(kinds), np.int64)
+        else:
+            valid = pc.is_valid(col).to_numpy(zero_copy_only=False)
+            have = np.bincount(codes[valid], minlength=len(kinds))
+        for j, row in enumerate(rows):
+            row[f"{nm}_sum"] = int(have[j])
+    return rows
 
 
 def _validate_columns(t: pa.Table, where: str) -> None:
@@ -204,13 +256,7 @@ def _validate_columns(t: pa.Table, where: str) -> None:
     # Per kind, how many rows carry each column: one grouped pass answers "required" and
     # "not a field of this kind" for every column; a row is looked for only on a fault.
     names = [nm for nm in EVENT_SCHEMA.names if nm not in ("ts", "kind", "tenant")]
-    if len(present) == 1:  # one kind (the usual bulk table): counts without grouping
-        counts_rows = [{"kind": next(iter(present)), "kind_count": n,
-                        **{f"{nm}_sum": n - t.column(nm).null_count for nm in names}}]
-    else:
-        flags = pa.table({"kind": kind, **{nm: pc.is_valid(t.column(nm)) for nm in names}})
-        counts_rows = flags.group_by("kind").aggregate(
-            [(nm, "sum") for nm in names] + [("kind", "count")]).to_pylist()
+    counts_rows = _kind_counts(t, names, present)
     for row in counts_rows:
         k, total = row["kind"], row["kind_count"]
         if k not in KIND_COLUMNS:
@@ -256,7 +302,8 @@ def _validate_columns(t: pa.Table, where: str) -> None:
             "verifier", "must be 'name@version'")
     step = t.column("step_id")
     if step.null_count < n and pc.min_max(pc.utf8_length(step))["min"].as_py() == 0:
-        _fail_where(t, where, pc.equal(step, ""), "step_id", "must be non-empty")
+        _fail_where(t, where, pc.fill_null(pc.equal(step, ""), False), "step_id",
+                    "must be non-empty")
     for name in REF_COLUMNS:
         col = t.column(name)
         if col.null_count == n:

@@ -1,0 +1,130 @@
+"""The bulk path (``validate_table``) and the event path (``validate_event``) accept and
+reject the same events: one fault planted in a valid mixed table is found by both, and the
+bulk error names the row and the field.
+
+``validate_table`` checks few distinct values with Python's ``re`` and many with Arrow's
+regex kernel, and counts columns per kind with numpy: both branches are exercised.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poimen_data import events as ev
+from poimen_data import synth
+from poimen_data._arrow import _PY_REGEX_LIMIT
+
+SHA = "ab" * 32
+
+
+def _base_rows() -> list[dict[str, Any]]:
+    evs = [e for u in synth.units(40, seed=5, tenants=2, recovery_every=10) for e in u.events]
+    tenant, run = evs[0].tenant, evs[0].run_id
+    evs += [
+        ev.VerdictRecorded(tenant, run, 0, "judge@1", 3, True, 0.5, "fine", ts=evs[-1].ts),
+        ev.BlobReduced(tenant, ev.BlobRef(tenant, SHA, 10),
+                       ev.BlobRef(tenant, "cd" * 32, 4), ts=evs[-1].ts),
+    ]
+    return ev.events_to_table(evs, [e.ts for e in evs]).to_pylist()
+
+
+BASE = _base_rows()
+Mutation = Callable[[dict[str, Any]], tuple[str, Any] | None]
+
+# Each mutation names the field it breaks and its bad value, or None when it does not
+# apply to the row's kind.
+MUTATIONS: dict[str, Mutation] = {
+    "tenant charset": lambda r: ("tenant", "acme corp"),
+    "tenant non-ascii": lambda r: ("tenant", "ácme"),
+    "tenant too long": lambda r: ("tenant", "t" * 65),
+    "kind unknown": lambda r: ("kind", "run_paused"),
+    "run_id empty": lambda r: ("run_id", "") if r["run_id"] is not None else None,
+    "run_id too long": lambda r: ("run_id", "r" * 129) if r["run_id"] is not None else None,
+    "run_id missing": lambda r: ("run_id", None) if r["run_id"] is not None else None,
+    "attempt_no zero": lambda r: ("attempt_no", 0) if r["attempt_no"] is not None else None,
+    "step_index negative": lambda r: (("step_index", -1) if r["step_index"] is not None
+                                      else None),
+    "branch_id negative": lambda r: ("branch_id", -1) if r["branch_id"] is not None else None,
+    "step_id empty": lambda r: ("step_id", "") if r["step_id"] is not None else None,
+    "step_id missing": lambda r: ("step_id", None) if r["step_id"] is not None else None,
+    "state not terminal": lambda r: (("state", "dispatched") if r["kind"] in
+                                     ("attempt_finished", "attempt_recovered") else None),
+    "outcome unknown": lambda r: ("outcome", "meh") if r["kind"] == "run_finished" else None,
+    "verifier malformed": lambda r: (("verifier", "judge") if r["kind"] == "verdict_recorded"
+                                     else None),
+    "fork parent not lower": lambda r: (("parent_branch_id", r["branch_id"])
+                                       if r["kind"] == "branch_forked" else None),
+    "workflow_version missing": lambda r: (("workflow_version", None)
+                                           if r["kind"] == "run_started" else None),
+    "foreign field": lambda r: (("outcome", "succeeded") if r["kind"] != "run_finished"
+                                else ("verifier", "judge@1")),
+    "ref sha not hex": lambda r: _ref(r, sha256="XY" * 32),
+    "ref other tenant": lambda r: _ref(r, tenant="other-tenant"),
+    "ref negative size": lambda r: _ref(r, size=-1),
+}
+
+
+def _ref(row: dict[str, Any], **change: Any) -> tuple[str, Any] | None:
+    for name in ev.REF_COLUMNS:
+        if row[name] is not None:
+            return name, {**row[name], **change}
+    return None
+
+
+def _table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=ev.EVENT_SCHEMA)
+
+
+def test_base_table_is_valid_on_both_paths() -> None:
+    kinds = {r["kind"] for r in BASE}
+    assert kinds == set(ev.KINDS)  # every kind is in the table the mutations start from
+    assert ev.validate_table(_table(BASE)).num_rows == len(BASE)
+    for r in BASE:
+        ev.validate_event(ev.event_from_row(r))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_one_planted_fault_is_found_by_both_paths(data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(sorted(MUTATIONS)), label="mutation")
+    rows_ok = [i for i, r in enumerate(BASE) if MUTATIONS[name](r) is not None]
+    i = data.draw(st.sampled_from(rows_ok), label="row")
+    field, value = MUTATIONS[name](BASE[i])  # type: ignore[misc]
+    rows = [dict(r) for r in BASE]
+    rows[i][field] = value
+    with pytest.raises(ev.ValidationError) as bulk:
+        ev.validate_table(_table(rows))
+    assert re.search(rf"row {i}\b.*field '{field}'", str(bulk.value)), str(bulk.value)
+    if name == "foreign field":
+        return  # an event object has no such field to set: only a table can carry it
+    with pytest.raises(ev.ValidationError, match=f"'{field}'"):
+        if rows[i]["kind"] not in ev.KINDS:
+            raise ev.ValidationError(f"field '{field}' unknown")  # no class to build
+        ev.validate_event(ev.event_from_row(rows[i]))
+
+
+def test_many_distinct_values_take_the_arrow_regex_branch() -> None:
+    n = _PY_REGEX_LIMIT + 500
+    table = pa.table({"kind": ["verifying_entered"] * n, "tenant": ["acme"] * n,
+                      "run_id": [f"run-{i}" for i in range(n)]})
+    assert ev.validate_table(table).num_rows == n
+    bad = table.set_column(2, "run_id", pa.array([f"run-{i}" for i in range(n - 1)]
+                                                 + ["bad run"]))
+    with pytest.raises(ev.ValidationError, match=rf"row {n - 1} .*field 'run_id'"):
+        ev.validate_table(bad)
+    tenants = pa.array([f"t{i}" for i in range(n - 1)] + ["t/x"])
+    with pytest.raises(ev.ValidationError, match=rf"row {n - 1} .*field 'tenant'"):
+        ev.validate_table(table.set_column(1, "tenant", tenants))
+
+
+def test_schema_metadata_of_the_input_is_not_written() -> None:
+    t = _table(BASE).replace_schema_metadata({"pandas": "{}"})
+    out = ev.validate_table(t)
+    assert out.schema.metadata is None and out.schema.equals(ev.EVENT_SCHEMA)
