@@ -3,8 +3,9 @@ a bulk table of events column-wise with the same rules as ``events.validate_even
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -122,6 +123,14 @@ def validate_table(table: pa.Table, where: str = "table", now: datetime | None =
     with ``now``. The checks are the ones ``validate_event`` makes, vectorized; the first
     fault names its row and field.
     """
+    t = conform_table(table, where, now)
+    check_conformed(t, where)
+    return t
+
+
+def conform_table(table: pa.Table, where: str = "table", now: datetime | None = None) -> pa.Table:
+    """The first half of ``validate_table``: the table in ``EVENT_SCHEMA`` as one chunk,
+    ``ts`` stamped, required columns without nulls; ``check_conformed`` does the rest."""
     if table.schema.equals(EVENT_SCHEMA):  # the usual bulk writer's table: nothing to conform
         t = table.replace_schema_metadata(None) if table.schema.metadata else table
         ts = t.column("ts")
@@ -134,7 +143,6 @@ def validate_table(table: pa.Table, where: str = "table", now: datetime | None =
                 raise ValidationError(f"{where} row {row}: field {f.name!r} is required")
     else:
         t = _conform(table, where, now)
-    _validate_columns(t, where)
     return t.combine_chunks()
 
 
@@ -193,7 +201,7 @@ _MINIMUM = {"branch_id": 0, "step_index": 0, "attempt_no": 1, "parent_branch_id"
 _PY_REGEX_LIMIT = 4096  # up to this many distinct values, Python's re checks them
 
 
-def _all_match(col: pa.ChunkedArray, pattern: re.Pattern[str]) -> bool:
+def _all_match(col: pa.Array | pa.ChunkedArray, pattern: re.Pattern[str]) -> bool:
     """Whether every non-null value matches: checked on the distinct values only (a log
     repeats its tenants, run ids and bodies many times). A few distinct values are checked
     with Python's ``re`` (what ``validate_event`` uses): compiling the pattern in Arrow
@@ -206,46 +214,79 @@ def _all_match(col: pa.ChunkedArray, pattern: re.Pattern[str]) -> bool:
                 in (True, None))
 
 
-def _kind_counts(t: pa.Table, names: list[str], present: set[str]) -> list[dict[str, Any]]:
-    """Per kind present, its row count and how many of its rows carry each column."""
-    kind = t.column("kind")
-    n = t.num_rows
-    if len(present) == 1:  # one kind (the usual bulk table): the null counts say it all
-        return [{"kind": next(iter(present)), "kind_count": n,
-                 **{f"{nm}_sum": n - t.column(nm).null_count for nm in names}}]
-    if not present:
-        return []
-    kinds = sorted(present)
-    codes = pc.index_in(kind, pa.array(kinds, pa.string())).to_numpy(zero_copy_only=False)
-    total = np.bincount(codes, minlength=len(kinds))
-    rows = [{"kind": k, "kind_count": int(total[j])} for j, k in enumerate(kinds)]
-    for nm in names:
-        col = t.column(nm)
-        nulls = col.null_count
-        if nulls in (0, n):  # every row, or none, carries it
-            have = total if nulls == 0 else np.zeros(len(kinds), np.int64)
-        else:
-            valid = pc.is_valid(col).to_numpy(zero_copy_only=False)
-            have = np.bincount(codes[valid], minlength=len(kinds))
-        for j, row in enumerate(rows):
-            row[f"{nm}_sum"] = int(have[j])
-    return rows
+class _Kinds:
+    """Which rows hold which kind, as one bitmap per kind present (bit i = row i, the
+    layout of Arrow's validity bitmaps), so "a row of these kinds with this column null"
+    is an AND of bitmaps and an ``any``, whatever the number of rows."""
+
+    def __init__(self, kind: pa.Array) -> None:
+        enc = pc.dictionary_encode(kind)
+        self.present: list[str] = enc.dictionary.to_pylist()
+        self.n = len(kind)
+        codes = enc.indices.to_numpy()
+        self._bits = {k: np.packbits(codes == j, bitorder="little")
+                      for j, k in enumerate(self.present)}
+
+    def rows_of(self, kinds: tuple[str, ...]) -> np.ndarray:
+        """The bitmap of rows whose kind is in ``kinds`` (all present)."""
+        out = self._bits.get(kinds)
+        if out is None:
+            out = np.bitwise_or.reduce([self._bits[k] for k in kinds])
+            self._bits[kinds] = out
+        return out
+
+    def bits(self, mask: pa.Array) -> np.ndarray:
+        """The bitmap of rows where a boolean array is true (null counts as false)."""
+        if mask.null_count:
+            mask = pc.fill_null(mask, False)
+        return _bitmap(mask.buffers()[1], mask.offset, self.n)
+
+    def any(self, kinds: Iterable[str], mask: pa.Array) -> bool:
+        """Whether a row of one of ``kinds`` has ``mask`` true."""
+        have = tuple(k for k in kinds if k in self._bits)
+        return bool(have) and bool(np.any(self.rows_of(have) & self.bits(mask)))
 
 
-def _validate_columns(t: pa.Table, where: str) -> None:
-    """The checks of ``validate_event``, one pass per column: a column is only looked at
-    row by row when its null count or its min/max says a row may be at fault."""
-    kind = t.column("kind")
+def _bitmap(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    """Bits ``offset .. offset + n`` of an Arrow bitmap as packed bytes starting at bit 0
+    (zero-copy when aligned; bits past ``n`` in the last byte are left as they are)."""
+    if offset % 8 == 0:
+        return np.frombuffer(buf, np.uint8, count=(n + 7) // 8, offset=offset // 8)
+    bits = np.unpackbits(np.frombuffer(buf, np.uint8), count=offset + n, bitorder="little")
+    return np.packbits(bits[offset:], bitorder="little")
+
+
+_FIELD_COLUMNS = [nm for nm in EVENT_SCHEMA.names if nm not in ("ts", "kind", "tenant")]
+_NOT_FIELD_OF: dict[str, frozenset[str]] = {
+    nm: frozenset(k for k in KINDS if nm not in KIND_COLUMNS[k]) for nm in _FIELD_COLUMNS
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _field_plan(present: frozenset[str]) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """For the kinds present, each column with the kinds that require it and the kinds
+    it is not a field of (a table repeats the same few kind mixes)."""
+    return [(nm, tuple(sorted(_REQUIRED_BY[nm] & present)),
+             tuple(sorted(_NOT_FIELD_OF[nm] & present))) for nm in _FIELD_COLUMNS]
+
+
+def check_conformed(t: pa.Table, where: str) -> None:
+    """The checks of ``validate_event``, a few vectorized passes per column over a table
+    of one chunk; a row is looked for (``_fail_where``) only once a check failed."""
     n = t.num_rows
-    present = set(pc.unique(kind).to_pylist())
+    if n == 0:
+        return
+    kind = t.column("kind").chunk(0)
+    kinds = _Kinds(kind)
+    present = set(kinds.present)
     if not present <= set(KINDS):
         _fail_where(t, where, pc.invert(pc.is_in(kind, pa.array(KINDS))), "kind",
                     f"must be one of {KINDS}")
-    tenant = t.column("tenant")
+    tenant = t.column("tenant").chunk(0)
     if not _all_match(tenant, TENANT_RE):
         _fail_where(t, where, pc.invert(pc.match_substring_regex(
             tenant, f"^{TENANT_RE.pattern}$")), "tenant", f"must match {TENANT_RE.pattern}")
-    run_id = t.column("run_id")
+    run_id = t.column("run_id").chunk(0)
     if not _all_match(run_id, RUN_ID_RE) or (
             run_id.null_count and present - {"blob_reduced"}):
         run_ok = pc.fill_null(pc.match_substring_regex(run_id, f"^{RUN_ID_RE.pattern}$"),
@@ -253,72 +294,72 @@ def _validate_columns(t: pa.Table, where: str) -> None:
         if "blob_reduced" in present:
             run_ok = pc.or_(run_ok, pc.equal(kind, "blob_reduced"))
         _fail_where(t, where, pc.invert(run_ok), "run_id", f"must match {RUN_ID_RE.pattern}")
-    # Per kind, how many rows carry each column: one grouped pass answers "required" and
-    # "not a field of this kind" for every column; a row is looked for only on a fault.
-    names = [nm for nm in EVENT_SCHEMA.names if nm not in ("ts", "kind", "tenant")]
-    counts_rows = _kind_counts(t, names, present)
-    for row in counts_rows:
-        k, total = row["kind"], row["kind_count"]
-        if k not in KIND_COLUMNS:
-            continue
-        for nm in names:
-            have = row[f"{nm}_sum"] or 0
-            if k in _REQUIRED_BY[nm] and have < total:
-                _fail_where(t, where, pc.and_(pc.equal(kind, k), pc.is_null(t.column(nm))),
-                            nm, "is required")
-            if nm not in KIND_COLUMNS[k] and have:
-                _fail_where(t, where, pc.and_(pc.equal(kind, k), pc.is_valid(t.column(nm))),
-                            nm, f"is not a field of {k}")
-    for name in names:
-        col = t.column(name)
+    for nm, required, foreign in _field_plan(frozenset(present)):
+        col = t.column(nm).chunk(0)
         nulls = col.null_count
-        minimum = _MINIMUM.get(name)
+        # validity bits straight from the column's bitmap (kind bitmaps are zero past n)
+        if required and nulls and (nulls == n or np.any(
+                kinds.rows_of(required) & ~_bitmap(col.buffers()[0], col.offset, n))):
+            _fail_where(t, where, pc.and_(pc.is_in(kind, pa.array(required)),
+                                          pc.is_null(col)), nm, "is required")
+        if foreign and nulls < n and (nulls == 0 or np.any(
+                kinds.rows_of(foreign) & _bitmap(col.buffers()[0], col.offset, n))):
+            first = _first_row(pc.and_(pc.is_in(kind, pa.array(foreign)), pc.is_valid(col)))
+            _fail_where(t, where, pc.and_(pc.equal(kind, kind[first]), pc.is_valid(col)), nm,
+                        f"is not a field of {kind[first].as_py()}")
+        minimum = _MINIMUM.get(nm)
         if minimum is not None and nulls < n:
             lo = pc.min_max(col)["min"].as_py()
             if lo is not None and lo < minimum:
-                _fail_where(t, where, pc.fill_null(pc.less(col, minimum), False), name,
+                _fail_where(t, where, pc.fill_null(pc.less(col, minimum), False), nm,
                             f"must be >= {minimum}")
+    col = t.column
     if "branch_forked" in present:
-        forked = pc.equal(kind, "branch_forked")
-        _fail_where(t, where, pc.and_(forked, pc.fill_null(
-            pc.greater_equal(t.column("parent_branch_id"), t.column("branch_id")), False)),
-            "parent_branch_id", "must be lower than branch_id")
-        _fail_where(t, where, pc.and_(forked, pc.fill_null(pc.less(t.column("branch_id"), 1),
-                                                            False)), "branch_id", "must be >= 1")
-    if present & {"attempt_finished", "attempt_recovered"}:
-        _fail_where(t, where, pc.and_(
-            pc.is_in(kind, pa.array(["attempt_finished", "attempt_recovered"])),
-            pc.invert(pc.fill_null(pc.is_in(t.column("state"),
-                                            pa.array(TERMINAL_ATTEMPT_STATES)), False))),
-            "state", f"must be one of {TERMINAL_ATTEMPT_STATES}")
+        pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
+        if kinds.any(["branch_forked"], pc.greater_equal(pb, b)):
+            _fail_where(t, where, pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(
+                pc.greater_equal(pb, b), False)), "parent_branch_id",
+                "must be lower than branch_id")
+        if kinds.any(["branch_forked"], pc.less(b, 1)):
+            _fail_where(t, where, pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(
+                pc.less(b, 1), False)), "branch_id", "must be >= 1")
+    ended = ["attempt_finished", "attempt_recovered"]
+    state_ok = pc.is_in(col("state").chunk(0), pa.array(TERMINAL_ATTEMPT_STATES))
+    if present & set(ended) and kinds.any(ended, pc.invert(pc.fill_null(state_ok, False))):
+        _fail_where(t, where, pc.and_(pc.is_in(kind, pa.array(ended)),
+                                      pc.invert(pc.fill_null(state_ok, False))),
+                    "state", f"must be one of {TERMINAL_ATTEMPT_STATES}")
     if "run_finished" in present:
-        _fail_where(t, where, pc.and_(pc.equal(kind, "run_finished"), pc.invert(pc.fill_null(
-            pc.is_in(t.column("outcome"), pa.array(RUN_OUTCOMES)), False))), "outcome",
-            f"must be one of {RUN_OUTCOMES}")
-    if "verdict_recorded" in present and not _all_match(t.column("verifier"), VERIFIER_RE):
+        outcome_ok = pc.fill_null(pc.is_in(col("outcome").chunk(0), pa.array(RUN_OUTCOMES)),
+                                  False)
+        if kinds.any(["run_finished"], pc.invert(outcome_ok)):
+            _fail_where(t, where, pc.and_(pc.equal(kind, "run_finished"),
+                                          pc.invert(outcome_ok)),
+                        "outcome", f"must be one of {RUN_OUTCOMES}")
+    if "verdict_recorded" in present and not _all_match(col("verifier"), VERIFIER_RE):
         _fail_where(t, where, pc.and_(pc.equal(kind, "verdict_recorded"), pc.invert(
-            pc.fill_null(pc.match_substring_regex(t.column("verifier"),
+            pc.fill_null(pc.match_substring_regex(col("verifier"),
                                                   f"^{VERIFIER_RE.pattern}$"), False))),
             "verifier", "must be 'name@version'")
-    step = t.column("step_id")
-    if step.null_count < n and pc.min_max(pc.utf8_length(step))["min"].as_py() == 0:
+    step = col("step_id").chunk(0)
+    if step.null_count < n and pc.min_max(pc.binary_length(step))["min"].as_py() == 0:
         _fail_where(t, where, pc.fill_null(pc.equal(step, ""), False), "step_id",
                     "must be non-empty")
     for name in REF_COLUMNS:
-        col = t.column(name)
-        if col.null_count == n:
+        ref = col(name).chunk(0)
+        if ref.null_count == n:
             continue
-        valid = pc.is_valid(col)
-        sha = pc.struct_field(col, "sha256")
-        ok = pc.and_(pc.equal(pc.struct_field(col, "tenant"), tenant),
-                     pc.greater_equal(pc.struct_field(col, "size"), 0))
+        valid = pc.is_valid(ref)
+        sha = pc.struct_field(ref, "sha256")
+        ok = pc.and_(pc.equal(pc.struct_field(ref, "tenant"), tenant),
+                     pc.greater_equal(pc.struct_field(ref, "size"), 0))
         bad = pc.and_(valid, pc.invert(pc.fill_null(ok, False)))
         if pc.any(bad).as_py() or not _all_match(sha, SHA256_RE):
             _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
                 pc.match_substring_regex(sha, "^[0-9a-f]{64}$"), False))), name,
                 "sha256 must be 64 lowercase hex digits")
             _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
-                pc.equal(pc.struct_field(col, "tenant"), tenant), False))), name,
+                pc.equal(pc.struct_field(ref, "tenant"), tenant), False))), name,
                 "belongs to another tenant than the event")
             _fail_where(t, where, bad, name, "size must be >= 0")
 

@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -229,40 +229,65 @@ class Storage:
             return
         self.fs.pipe_file(path, bytes(data))
 
+    def write_new(self, rel: str, data: bytes | pa.Buffer) -> None:
+        """Create a file under a name nobody else writes (a txn's segment or staged body).
+
+        No temp file and rename: nothing reads the name before a manifest lists it, and a
+        manifest lists it only after this returned (and, locally, fsynced); a crash
+        midway leaves a partial file that no manifest covers, which ``vacuum`` removes.
+        """
+        self._require_writable()
+        if self.kind != "local":
+            self.write(rel, bytes(data))
+            return
+        path = self.full(rel)
+        self._makedirs(os.path.dirname(path))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with open(fd, "wb", closefd=False) as f:
+                f.write(data)
+            if self.durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+
     def write_hashed(self, rel: str, fill: Callable[[Any], None],
                      size_hint: int = 0) -> tuple[int, str]:
-        """Write a whole file by ``fill(sink)``; return its size and sha256.
+        """Write a new file by ``fill(sink)`` under a name nobody else writes (see
+        ``write_new``); return its size and sha256.
 
-        Locally the writer streams straight into the file (no in-memory copy), and the
-        hash is taken from the page cache while fsync runs; elsewhere the bytes are
-        assembled in memory and sent in one request.
+        Locally a large file streams straight into the file (no in-memory copy) while a
+        thread hashes the same buffers in order, finishing during the fsync; small files
+        and other backends assemble the bytes in memory and write them in one go.
         """
         self._require_writable()
         if self.kind != "local" or size_hint < PARALLEL_HASH_BYTES:
             sink = pa.BufferOutputStream()
             fill(sink)
             buf = sink.getvalue()
-            self.write(rel, buf)
+            self.write_new(rel, buf)
             return buf.size, hashlib.sha256(buf).hexdigest()
         path = self.full(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        self._makedirs(os.path.dirname(path))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="poimen-hash")
         try:
-            with open(tmp, "wb") as f:
-                fill(f)
+            with open(path, "xb") as f:
+                sink = _HashingSink(f, pool)
+                fill(sink)
                 f.flush()
-                size = f.tell()
-                with open(tmp, "rb") as r, ThreadPoolExecutor(1) as pool:
-                    digest = pool.submit(hashlib.file_digest, r, "sha256")
-                    if self.durable:
-                        os.fsync(f.fileno())
-                    sha = digest.result().hexdigest()
-            os.replace(tmp, path)
+                if self.durable:
+                    os.fsync(f.fileno())  # the hash thread catches up meanwhile
+            pool.shutdown(wait=True)
         except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                os.unlink(path)
             raise
-        return size, sha
+        return sink.size, sink.sha.hexdigest()
 
     def put_if_absent(self, rel: str, data: bytes) -> bool:
         """Create ``rel`` with ``data`` unless it exists. True when this call created it.
@@ -274,7 +299,7 @@ class Storage:
         path = self.full(rel)
         if self.kind == "local":
             d = os.path.dirname(path)
-            os.makedirs(d, exist_ok=True)
+            self._makedirs(d)
             tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -326,6 +351,10 @@ class Storage:
 
     def delete_tree(self, rel: str) -> int:
         """Remove every file below ``rel``; returns how many."""
+        if self.kind == "local":
+            with contextlib.suppress(OSError):  # empty (a promoted txn's staging): done
+                os.rmdir(self.full(rel))
+                return 0
         n = 0
         for f in list(self.walk_files(rel)):
             n += self.delete(f)
@@ -375,6 +404,49 @@ class Storage:
                 self.fs.copy(self.full(src), self.full(dst))
         except FileNotFoundError:
             raise NotFound(f"no such file: {self.url_of(src)}") from None
+
+
+_io_pool: ThreadPoolExecutor | None = None
+_io_pool_lock = threading.Lock()
+
+
+def submit_io(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Run a write on the shared I/O pool: writes and fsyncs release the GIL, so a
+    transaction's files land while its Python work (validation) goes on."""
+    global _io_pool
+    with _io_pool_lock:
+        if _io_pool is None:
+            _io_pool = ThreadPoolExecutor(4, thread_name_prefix="poimen-io")
+    return _io_pool.submit(fn, *args)
+
+
+class _HashingSink:
+    """A file-like sink for Arrow writers that writes each buffer to ``f`` and hashes it
+    on a one-thread pool (FIFO, so in order; ``hashlib`` releases the GIL on large
+    buffers). A queued buffer stays alive in its pending call until hashed."""
+
+    closed = False
+
+    def __init__(self, f: Any, pool: ThreadPoolExecutor) -> None:
+        self.f = f
+        self.pool = pool
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        n = self.f.write(data)
+        self.size += n
+        self.pool.submit(self.sha.update, data)
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _fsync_dir(d: str) -> None:

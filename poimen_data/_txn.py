@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -18,9 +20,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import events as ev
-from ._arrow import events_to_table, table_refs, validate_table
+from ._arrow import check_conformed, conform_table, events_to_table, table_refs
 from ._faults import crash_point
 from ._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
+from ._storage import PARALLEL_HASH_BYTES, submit_io
 from .errors import PoimenError, ValidationError
 
 if TYPE_CHECKING:
@@ -28,6 +31,19 @@ if TYPE_CHECKING:
 
 BlobKey = tuple[str, str]  # (tenant, sha256)
 _logger = logging.getLogger("poimen_data")
+# A bulk table of this many rows or more is checked on a thread while the commit writes
+# its segment (its ValidationError is then raised by commit, not by extend).
+BACKGROUND_CHECK_ROWS = 50_000
+_checker: ThreadPoolExecutor | None = None
+_checker_lock = threading.Lock()
+
+
+def _check_in_background(t: pa.Table, where: str) -> Future[None]:
+    global _checker
+    with _checker_lock:
+        if _checker is None:
+            _checker = ThreadPoolExecutor(2, thread_name_prefix="poimen-check")
+    return _checker.submit(check_conformed, t, where)
 
 
 def _utcnow() -> datetime:
@@ -62,6 +78,8 @@ class Transaction:
         self._segment_written = False
         self._seen_refs: set[Any] = set()  # refs and value objects validated already
         self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
+        self._checks: list[Future[None]] = []  # checks of big tables still running
+        self._io: list[Future[None]] = []  # staged bodies and segment being written
         self.commit_info: CommitInfo | None = None
 
     def __enter__(self) -> Transaction:
@@ -99,14 +117,27 @@ class Transaction:
         if self.log._body_present(key):
             self._reused[key] = data
             return ref
-        self._stage(key, data)
+        self._stage(key, data, wait=False)
         return ref
 
-    def _stage(self, key: BlobKey, data: bytes) -> None:
+    def _stage(self, key: BlobKey, data: bytes, *, wait: bool = True) -> None:
         path = staged_blob_path(self.txn, *key)
-        self.log.storage.write(path, data)
         self._staged[key] = BlobEntry(key[0], key[1], len(data), path)
-        crash_point("blob_staged")
+        if wait or self.log.storage.kind == "memory":
+            self._write_new(path, data, "blob_staged")
+        else:  # written while the caller goes on; commit waits for it before publishing
+            self._io.append(submit_io(self._write_new, path, data, "blob_staged"))
+
+    def _write_new(self, path: str, data: Any, point: str) -> None:
+        self.log.storage.write_new(path, data)
+        crash_point(point)
+
+    def _join_io(self) -> None:
+        """Wait for this transaction's files in flight; raise the first write error."""
+        pending, self._io = self._io, []
+        errors = [exc for f in pending if (exc := f.exception()) is not None]
+        if errors:
+            raise errors[0]
 
     # -- events -------------------------------------------------------------------
 
@@ -127,11 +158,16 @@ class Transaction:
         if isinstance(events, pa.Table | pa.RecordBatch):
             table = pa.Table.from_batches([events]) if isinstance(events, pa.RecordBatch) \
                 else events
+            where = f"table (events from {self.n_events})"
             try:
-                t = validate_table(table, f"table (events from {self.n_events})")
+                t = conform_table(table, where)
+                if t.num_rows < BACKGROUND_CHECK_ROWS:
+                    check_conformed(t, where)
             except ValidationError as exc:
                 self._failed = exc
                 raise
+            if t.num_rows >= BACKGROUND_CHECK_ROWS:
+                self._checks.append(_check_in_background(t, where))
             if self._events:
                 self._flush_objects()
             self._tables.append(t)
@@ -154,6 +190,11 @@ class Transaction:
         if self._done:
             return
         self._done = True
+        for f in self._checks:
+            f.cancel()
+        for f in self._io:  # let writes in flight land, so the cleanup below sees them
+            f.exception()
+        self._io = []
         if self.txn in self.log._unknown:
             return  # it may have landed: leave its files to vacuum's reachability check
         if self._staged:
@@ -203,13 +244,16 @@ class Transaction:
             if self._n_table_rows:
                 table = pa.concat_tables(self._tables) if len(self._tables) > 1 \
                     else self._tables[0]
-                self._check_refs()
             if table is None and not self._staged and not self._reused:
                 self._done = True
                 head = self.log.head
                 self.commit_info = CommitInfo(None, head + 1, head)
                 return self.commit_info
             seg = self._write_segment(table) if table is not None else None
+            self._join_checks()  # a fault found meanwhile: abort removes the segment
+            if table is not None:
+                self._check_refs()
+            self._join_io()  # every body and the segment are on storage (and fsynced)
             m = self.log._publish(lambda seq, first: self._manifest(seq, first, seg, table),
                                   self.txn)
         except BaseException:
@@ -226,6 +270,16 @@ class Transaction:
                             m.seq, exc)
         return self.commit_info
 
+    def _join_checks(self) -> None:
+        """Wait for the background checks of big tables; raise the first fault found."""
+        checks, self._checks = self._checks, []
+        for f in checks:
+            exc = f.exception()
+            if exc is not None and self._failed is None:
+                self._failed = exc
+        if self._failed is not None:
+            raise self._failed
+
     def _has_kept_staging(self, m: Manifest) -> bool:
         return any(b.staged and (b.tenant, b.sha256) in self.log._state.reduced
                    for b in m.blobs)
@@ -237,8 +291,21 @@ class Transaction:
 
         path = f"segments/{self.txn}.arrow"
         self._segment_written = True
-        size, sha = self.log.storage.write_hashed(path, fill, table.nbytes)
-        crash_point("segment_written")
+        storage = self.log.storage
+        # nbytes walks every buffer (0.1 ms on a small table): asked of big tables only
+        if storage.kind == "local" and table.num_rows > 10_000 \
+                and table.nbytes >= PARALLEL_HASH_BYTES:
+            size, sha = storage.write_hashed(path, fill, table.nbytes)  # streamed, hashed
+            crash_point("segment_written")
+        else:  # serialized and hashed here, written while the commit goes on
+            sink = pa.BufferOutputStream()
+            fill(sink)
+            buf = sink.getvalue()
+            size, sha = buf.size, hashlib.sha256(buf).hexdigest()
+            if storage.kind == "memory":
+                self._write_new(path, buf, "segment_written")
+            else:
+                self._io.append(submit_io(self._write_new, path, buf, "segment_written"))
         return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
 
     def _manifest(self, seq: int, first: int, seg: SegmentInfo | None,

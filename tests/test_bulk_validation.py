@@ -128,3 +128,37 @@ def test_schema_metadata_of_the_input_is_not_written() -> None:
     t = _table(BASE).replace_schema_metadata({"pandas": "{}"})
     out = ev.validate_table(t)
     assert out.schema.metadata is None and out.schema.equals(ev.EVENT_SCHEMA)
+
+
+def _files(root) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_big_table_is_checked_while_its_segment_is_written(tmp_path) -> None:
+    """A table of BACKGROUND_CHECK_ROWS rows or more is checked on a thread during the
+    segment write: its fault is raised by the commit, which leaves nothing behind; a good
+    one lands with a segment whose streamed sha256 matches the file."""
+    from poimen_data import open_log
+    from poimen_data._txn import BACKGROUND_CHECK_ROWS
+
+    n = BACKGROUND_CHECK_ROWS + 10_000
+    good = synth.events_table(n, seed=2)
+    attempt_no = good.column("attempt_no").to_pylist()
+    row = next(i for i in range(n - 1, 0, -1) if attempt_no[i] is not None)
+    attempt_no[row] = 0
+    bad = good.set_column(good.schema.get_field_index("attempt_no"), "attempt_no",
+                          pa.array(attempt_no, pa.int64()))
+    log = open_log(str(tmp_path / "log"))
+    before = _files(tmp_path / "log")
+    tx = log.transaction()
+    tx.extend(bad)  # not raised here: the check is still running
+    with pytest.raises(ev.ValidationError, match=rf"row {row} .*field 'attempt_no'"):
+        tx.commit()
+    assert log.head == 0
+    assert _files(tmp_path / "log") == before == {"_poimen.json"}
+    with log.transaction() as tx:
+        tx.extend(good)
+    again = open_log(str(tmp_path / "log"))
+    back = again.read_events()  # verifies the segment's size and sha256 against the manifest
+    assert back.num_rows == n
+    assert back.drop_columns(["lsn", "seq"]).equals(ev.validate_table(good))
