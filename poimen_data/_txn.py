@@ -79,7 +79,8 @@ class Transaction:
         self._seen_refs: set[Any] = set()  # refs and value objects validated already
         self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
         self._checks: list[Future[None]] = []  # checks of big tables still running
-        self._io: list[Future[None]] = []  # staged bodies and segment being written
+        self._io: list[Future[Any]] = []  # staged bodies and segment being written
+        self._spec: tuple[pa.Table, Future[SegmentInfo]] | None = None  # see extend
         self.commit_info: CommitInfo | None = None
 
     def __enter__(self) -> Transaction:
@@ -161,13 +162,25 @@ class Transaction:
             where = f"table (events from {self.n_events})"
             try:
                 t = conform_table(table, where)
-                if t.num_rows < BACKGROUND_CHECK_ROWS:
-                    check_conformed(t, where)
             except ValidationError as exc:
                 self._failed = exc
                 raise
+            if not self._tables and not self._events and t.num_rows \
+                    and self.log.storage.kind != "memory":
+                # Speculation: the first table is usually the whole commit, so its segment
+                # is written while it is checked; commit discards it if more events came.
+                self._segment_written = True
+                future = submit_io(self._write_segment, t)
+                self._io.append(future)
+                self._spec = (t, future)
             if t.num_rows >= BACKGROUND_CHECK_ROWS:
                 self._checks.append(_check_in_background(t, where))
+            else:
+                try:
+                    check_conformed(t, where)
+                except ValidationError as exc:
+                    self._failed = exc
+                    raise
             if self._events:
                 self._flush_objects()
             self._tables.append(t)
@@ -200,7 +213,7 @@ class Transaction:
         if self._staged:
             self.log.storage.delete_tree(f"_staging/{self.txn}")
         if self._segment_written:
-            self.log.storage.delete(f"segments/{self.txn}.arrow")
+            self.log.storage.delete(self._segment_path)
 
     def _check_refs(self) -> None:
         """Every ref must be a body of this transaction or a committed, unreduced one."""
@@ -249,7 +262,7 @@ class Transaction:
                 head = self.log.head
                 self.commit_info = CommitInfo(None, head + 1, head)
                 return self.commit_info
-            seg = self._write_segment(table) if table is not None else None
+            seg = self._segment_for(table) if table is not None else None
             self._join_checks()  # a fault found meanwhile: abort removes the segment
             if table is not None:
                 self._check_refs()
@@ -284,28 +297,41 @@ class Transaction:
         return any(b.staged and (b.tenant, b.sha256) in self.log._state.reduced
                    for b in m.blobs)
 
+    def _segment_for(self, table: pa.Table) -> SegmentInfo:
+        """The segment of ``table``: the one ``extend`` started, when it was the whole
+        commit; else that one is discarded and the whole table written now."""
+        spec, self._spec = self._spec, None
+        if spec is not None:
+            if spec[0] is table:
+                return spec[1].result()
+            if spec[1].exception() is None:
+                self.log.storage.delete(self._segment_path)
+        return self._write_segment(table)
+
+    @property
+    def _segment_path(self) -> str:
+        return f"segments/{self.txn}.arrow"
+
     def _write_segment(self, table: pa.Table) -> SegmentInfo:
+        """Write, fsync and hash the segment (on the I/O pool when ``extend`` started it)."""
         def fill(sink: Any) -> None:
             with pa.ipc.new_file(sink, table.schema) as w:
                 w.write_table(table)
 
-        path = f"segments/{self.txn}.arrow"
+        path = self._segment_path
         self._segment_written = True
         storage = self.log.storage
         # nbytes walks every buffer (0.1 ms on a small table): asked of big tables only
         if storage.kind == "local" and table.num_rows > 10_000 \
                 and table.nbytes >= PARALLEL_HASH_BYTES:
             size, sha = storage.write_hashed(path, fill, table.nbytes)  # streamed, hashed
-            crash_point("segment_written")
-        else:  # serialized and hashed here, written while the commit goes on
+        else:
             sink = pa.BufferOutputStream()
             fill(sink)
             buf = sink.getvalue()
             size, sha = buf.size, hashlib.sha256(buf).hexdigest()
-            if storage.kind == "memory":
-                self._write_new(path, buf, "segment_written")
-            else:
-                self._io.append(submit_io(self._write_new, path, buf, "segment_written"))
+            storage.write_new(path, buf)
+        crash_point("segment_written")
         return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
 
     def _manifest(self, seq: int, first: int, seg: SegmentInfo | None,

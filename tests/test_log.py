@@ -177,6 +177,33 @@ def test_bulk_table_path(root: Root) -> None:
     assert log.head == n
 
 
+def test_table_then_more_events_replaces_the_speculative_segment(root: Root) -> None:
+    """extend(table) starts writing the table's segment at once; events added after it
+    make the commit write one segment of everything instead, and leave no other file."""
+    log = root.open()
+    n = 50
+    table = pa.table({
+        "ts": pa.array([TS] * n, pa.timestamp("us", tz="UTC")),
+        "kind": ["verifying_entered"] * n, "tenant": ["acme"] * n,
+        "run_id": [f"run-{i}" for i in range(n)],
+    })
+    with log.transaction() as tx:
+        tx.extend(table)
+        tx.append(E.RunStarted("acme", "late", "wf-1", ts=TS))
+        tx.extend(table.slice(0, 3))
+    assert tx.commit_info == pdm.CommitInfo(1, 1, n + 4)
+    back = root.open().read_events()
+    assert back.column("run_id").to_pylist() == (
+        [f"run-{i}" for i in range(n)] + ["late"] + ["run-0", "run-1", "run-2"])
+    segments = [p for p in snapshot_files(log) if p.startswith("segments/")]
+    assert segments == [log.read_manifest(1).segments[0].path]
+    with pytest.raises(pdm.ValidationError, match="row 2 .*'run_id'"):
+        with log.transaction() as tx2:  # a bad table: its speculative segment is removed
+            tx2.extend(table.set_column(3, "run_id", pa.array(["a", "b", "bad id"] * 16
+                                                               + ["c", "d"])))
+    assert [p for p in snapshot_files(log) if p.startswith("segments/")] == segments
+
+
 def test_ref_to_uncommitted_body_is_rejected(root: Root) -> None:
     log = root.open()
     ghost = pdm.BlobRef("acme", hashlib.sha256(b"never stored").hexdigest(), 12)
