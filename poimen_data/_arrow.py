@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -31,6 +31,7 @@ from .events import (
     RUN_ID_RE,
     RUN_OUTCOMES,
     SHA256_RE,
+    STEP_ID_MAX,
     TENANT_RE,
     TERMINAL_ATTEMPT_STATES,
     TOOLS_TYPE,
@@ -184,11 +185,16 @@ def _first_row(mask: pa.ChunkedArray | pa.Array) -> int | None:
     return int(pc.index(mask, True).as_py())
 
 
-def _fail_where(t: pa.Table, where: str, mask: Any, fld: str, msg: str) -> None:
+def _fail_where(t: pa.Table, where: str, mask: Any, fld: str, msg: str, *, base: int = 0,
+                certain: bool = True) -> None:
+    """Raise naming the first row ``mask`` selects. ``certain``: a check already found a
+    fault, so raise (without a row) even if the mask selects none: never accept."""
     i = _first_row(mask)
     if i is not None:
         kind = t.column("kind")[i].as_py()
-        raise _bad(f"{where} row {i} ({kind})", fld, msg)
+        raise _bad(f"{where} row {base + i} ({kind})", fld, msg)
+    if certain:
+        raise _bad(where, fld, msg)
 
 
 _REQUIRED_BY: dict[str, frozenset[str]] = {
@@ -201,17 +207,31 @@ _MINIMUM = {"branch_id": 0, "step_index": 0, "attempt_no": 1, "parent_branch_id"
 _PY_REGEX_LIMIT = 4096  # up to this many distinct values, Python's re checks them
 
 
-def _all_match(col: pa.Array | pa.ChunkedArray, pattern: re.Pattern[str]) -> bool:
-    """Whether every non-null value matches: checked on the distinct values only (a log
-    repeats its tenants, run ids and bodies many times). A few distinct values are checked
-    with Python's ``re`` (what ``validate_event`` uses): compiling the pattern in Arrow
-    costs more than matching a small table."""
+# Patterns of ASCII classes only: Arrow's RE2 and Python's re agree on them (not on \s).
+_RE2_AGREES = (TENANT_RE, RUN_ID_RE, SHA256_RE)
+
+
+def _first_bad(col: pa.Array, pattern: re.Pattern[str]) -> str | None:
+    """A non-null value that does not match (None when all do), judged by Python's ``re``
+    as ``validate_event`` does, on the distinct values only (a log repeats its tenants,
+    run ids and bodies). Many distinct values are first screened by Arrow's regex kernel,
+    where it agrees with ``re``; compiling a pattern there costs more than a small table."""
     values = pc.unique(col.drop_null())
-    if len(values) <= _PY_REGEX_LIMIT:
-        match = pattern.fullmatch
-        return all(match(v) for v in values.to_pylist())
-    return bool(pc.all(pc.match_substring_regex(values, f"^{pattern.pattern}$")).as_py()
-                in (True, None))
+    if len(values) > _PY_REGEX_LIMIT and pattern in _RE2_AGREES:
+        ok = pc.match_substring_regex(values, f"^{pattern.pattern}$")
+        if pc.all(ok).as_py() in (True, None):
+            return None
+        values = pc.filter(values, pc.invert(ok))
+    match = pattern.fullmatch
+    return next((v for v in values.to_pylist() if not match(v)), None)
+
+
+def _bad_item_row(lists: pa.Array) -> int | None:
+    """The first row of a list (or map-as-list) column holding a null item."""
+    items = pc.list_flatten(lists)
+    if not items.null_count:
+        return None
+    return int(pc.list_parent_indices(lists)[_first_row(pc.is_null(items))].as_py())
 
 
 class _Kinds:
@@ -270,98 +290,159 @@ def _field_plan(present: frozenset[str]) -> list[tuple[str, tuple[str, ...], tup
              tuple(sorted(_NOT_FIELD_OF[nm] & present))) for nm in _FIELD_COLUMNS]
 
 
-def check_conformed(t: pa.Table, where: str) -> None:
+def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
     """The checks of ``validate_event``, a few vectorized passes per column over a table
     of one chunk; a row is looked for (``_fail_where``) only once a check failed."""
     n = t.num_rows
     if n == 0:
         return
-    kind = t.column("kind").chunk(0)
+    if any(c.num_chunks != 1 for c in t.columns):  # strings over 2 GiB stay in pieces
+        for b in t.to_batches():
+            check_conformed(pa.Table.from_batches([b]), where, base)
+            base += b.num_rows
+        return
+
+    def fail(mask: Any, fld: str, msg: str, certain: bool = True) -> None:
+        _fail_where(t, where, mask, fld, msg, base=base, certain=certain)
+
+    col = t.column
+    kind = col("kind").chunk(0)
     kinds = _Kinds(kind)
     present = set(kinds.present)
     if not present <= set(KINDS):
-        _fail_where(t, where, pc.invert(pc.is_in(kind, pa.array(KINDS))), "kind",
-                    f"must be one of {KINDS}")
-    tenant = t.column("tenant").chunk(0)
-    if not _all_match(tenant, TENANT_RE):
-        _fail_where(t, where, pc.invert(pc.match_substring_regex(
-            tenant, f"^{TENANT_RE.pattern}$")), "tenant", f"must match {TENANT_RE.pattern}")
-    run_id = t.column("run_id").chunk(0)
-    if not _all_match(run_id, RUN_ID_RE) or (
-            run_id.null_count and present - {"blob_reduced"}):
-        run_ok = pc.fill_null(pc.match_substring_regex(run_id, f"^{RUN_ID_RE.pattern}$"),
-                              False)
-        if "blob_reduced" in present:
-            run_ok = pc.or_(run_ok, pc.equal(kind, "blob_reduced"))
-        _fail_where(t, where, pc.invert(run_ok), "run_id", f"must match {RUN_ID_RE.pattern}")
+        fail(pc.invert(pc.is_in(kind, pa.array(KINDS))), "kind", f"must be one of {KINDS}")
+    tenant = col("tenant").chunk(0)
+    for name, pattern in (("tenant", TENANT_RE), ("run_id", RUN_ID_RE)):
+        values = col(name).chunk(0)
+        bad = _first_bad(values, pattern)
+        if bad is not None:
+            fail(pc.fill_null(pc.equal(values, bad), False), name,
+                 f"must match {pattern.pattern}, got {bad!r}")
     for nm, required, foreign in _field_plan(frozenset(present)):
-        col = t.column(nm).chunk(0)
-        nulls = col.null_count
+        c = col(nm).chunk(0)
+        nulls = c.null_count
         # validity bits straight from the column's bitmap (kind bitmaps are zero past n)
         if required and nulls and (nulls == n or np.any(
-                kinds.rows_of(required) & ~_bitmap(col.buffers()[0], col.offset, n))):
-            _fail_where(t, where, pc.and_(pc.is_in(kind, pa.array(required)),
-                                          pc.is_null(col)), nm, "is required")
+                kinds.rows_of(required) & ~_bitmap(c.buffers()[0], c.offset, n))):
+            fail(pc.and_(pc.is_in(kind, pa.array(required)), pc.is_null(c)), nm,
+                 "is required")
         if foreign and nulls < n and (nulls == 0 or np.any(
-                kinds.rows_of(foreign) & _bitmap(col.buffers()[0], col.offset, n))):
-            first = _first_row(pc.and_(pc.is_in(kind, pa.array(foreign)), pc.is_valid(col)))
-            _fail_where(t, where, pc.and_(pc.equal(kind, kind[first]), pc.is_valid(col)), nm,
-                        f"is not a field of {kind[first].as_py()}")
+                kinds.rows_of(foreign) & _bitmap(c.buffers()[0], c.offset, n))):
+            first = _first_row(pc.and_(pc.is_in(kind, pa.array(foreign)), pc.is_valid(c)))
+            fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
+                 f"is not a field of {kind[first].as_py()}")
         minimum = _MINIMUM.get(nm)
         if minimum is not None and nulls < n:
-            lo = pc.min_max(col)["min"].as_py()
+            lo = pc.min_max(c)["min"].as_py()
             if lo is not None and lo < minimum:
-                _fail_where(t, where, pc.fill_null(pc.less(col, minimum), False), nm,
-                            f"must be >= {minimum}")
-    col = t.column
+                fail(pc.fill_null(pc.less(c, minimum), False), nm, f"must be >= {minimum}")
     if "branch_forked" in present:
         pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
         if kinds.any(["branch_forked"], pc.greater_equal(pb, b)):
-            _fail_where(t, where, pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(
+            fail(pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(
                 pc.greater_equal(pb, b), False)), "parent_branch_id",
                 "must be lower than branch_id")
         if kinds.any(["branch_forked"], pc.less(b, 1)):
-            _fail_where(t, where, pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(
-                pc.less(b, 1), False)), "branch_id", "must be >= 1")
+            fail(pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(pc.less(b, 1), False)),
+                 "branch_id", "must be >= 1")
     ended = ["attempt_finished", "attempt_recovered"]
-    state_ok = pc.is_in(col("state").chunk(0), pa.array(TERMINAL_ATTEMPT_STATES))
-    if present & set(ended) and kinds.any(ended, pc.invert(pc.fill_null(state_ok, False))):
-        _fail_where(t, where, pc.and_(pc.is_in(kind, pa.array(ended)),
-                                      pc.invert(pc.fill_null(state_ok, False))),
-                    "state", f"must be one of {TERMINAL_ATTEMPT_STATES}")
+    if present & set(ended):
+        state_bad = pc.invert(pc.fill_null(
+            pc.is_in(col("state").chunk(0), pa.array(TERMINAL_ATTEMPT_STATES)), False))
+        if kinds.any(ended, state_bad):
+            fail(pc.and_(pc.is_in(kind, pa.array(ended)), state_bad), "state",
+                 f"must be one of {TERMINAL_ATTEMPT_STATES}")
     if "run_finished" in present:
-        outcome_ok = pc.fill_null(pc.is_in(col("outcome").chunk(0), pa.array(RUN_OUTCOMES)),
-                                  False)
-        if kinds.any(["run_finished"], pc.invert(outcome_ok)):
-            _fail_where(t, where, pc.and_(pc.equal(kind, "run_finished"),
-                                          pc.invert(outcome_ok)),
-                        "outcome", f"must be one of {RUN_OUTCOMES}")
-    if "verdict_recorded" in present and not _all_match(col("verifier"), VERIFIER_RE):
-        _fail_where(t, where, pc.and_(pc.equal(kind, "verdict_recorded"), pc.invert(
-            pc.fill_null(pc.match_substring_regex(col("verifier"),
-                                                  f"^{VERIFIER_RE.pattern}$"), False))),
-            "verifier", "must be 'name@version'")
-    step = col("step_id").chunk(0)
-    if step.null_count < n and pc.min_max(pc.binary_length(step))["min"].as_py() == 0:
-        _fail_where(t, where, pc.fill_null(pc.equal(step, ""), False), "step_id",
-                    "must be non-empty")
+        outcome_bad = pc.invert(pc.fill_null(
+            pc.is_in(col("outcome").chunk(0), pa.array(RUN_OUTCOMES)), False))
+        if kinds.any(["run_finished"], outcome_bad):
+            fail(pc.and_(pc.equal(kind, "run_finished"), outcome_bad), "outcome",
+                 f"must be one of {RUN_OUTCOMES}")
+    if "verdict_recorded" in present:
+        verifier = col("verifier").chunk(0)
+        bad = _first_bad(verifier, VERIFIER_RE)
+        if bad is not None:
+            fail(pc.fill_null(pc.equal(verifier, bad), False), "verifier",
+                 f"must be 'name@version', got {bad!r}")
+    for name, longest in (("step_id", STEP_ID_MAX), ("workflow_version", 256)):
+        _check_lengths(col(name).chunk(0), name, longest, fail)
+    _check_nested(col, fail)
     for name in REF_COLUMNS:
-        ref = col(name).chunk(0)
-        if ref.null_count == n:
+        _check_refs(col(name).chunk(0), tenant, name, fail)
+
+
+def _check_lengths(values: pa.Array, name: str, longest: int, fail: Callable[..., None]) -> None:
+    """Where present: non-empty, at most ``longest`` characters (``_check_str``)."""
+    if values.null_count == len(values):
+        return
+    size = pc.min_max(pc.binary_length(values))
+    if size["min"].as_py() == 0:
+        fail(pc.fill_null(pc.equal(values, ""), False), name,
+             f"must be a non-empty str of at most {longest} chars")
+    if size["max"].as_py() > longest:  # bytes: characters are counted only when it may matter
+        chars = pc.utf8_length(values)
+        if pc.max(chars).as_py() > longest:
+            fail(pc.fill_null(pc.greater(chars, longest), False), name,
+                 f"must be a non-empty str of at most {longest} chars")
+
+
+def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., None]) -> None:
+    """Inside the nested columns: counts >= 0, cost >= 0, no null list items or labels."""
+    usage = col("usage").chunk(0)
+    if usage.null_count < len(usage):
+        for f in ("input_tokens", "output_tokens", "cache_read_input_tokens",
+                  "reasoning_tokens", "cost_usd"):
+            v = pc.struct_field(usage, f)  # null where the struct is null
+            lo = pc.min(v).as_py()
+            if lo is not None and lo < 0:
+                fail(pc.fill_null(pc.less(v, pa.scalar(0, v.type)), False), f"usage.{f}",
+                     "must be >= 0")
+    parts = [("context", f) for f in ("packed", "available", "dropped")] + [("tools", "calls")]
+    for name, f in parts:
+        outer = col(name).chunk(0)
+        if outer.null_count == len(outer):
             continue
-        valid = pc.is_valid(ref)
-        sha = pc.struct_field(ref, "sha256")
-        ok = pc.and_(pc.equal(pc.struct_field(ref, "tenant"), tenant),
-                     pc.greater_equal(pc.struct_field(ref, "size"), 0))
-        bad = pc.and_(valid, pc.invert(pc.fill_null(ok, False)))
-        if pc.any(bad).as_py() or not _all_match(sha, SHA256_RE):
-            _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
-                pc.match_substring_regex(sha, "^[0-9a-f]{64}$"), False))), name,
-                "sha256 must be 64 lowercase hex digits")
-            _fail_where(t, where, pc.and_(valid, pc.invert(pc.fill_null(
-                pc.equal(pc.struct_field(ref, "tenant"), tenant), False))), name,
-                "belongs to another tenant than the event")
-            _fail_where(t, where, bad, name, "size must be >= 0")
+        lists = pc.struct_field(outer, f)
+        row = _bad_item_row(lists)
+        if row is not None:
+            fail(_row_mask(len(lists), row), f"{name}.{f}",
+                 "must be a tuple of str")
+    labels = col("labels").chunk(0)
+    if labels.null_count < len(labels):
+        entries = labels.cast(pa.list_(pa.struct([labels.type.key_field,
+                                                  labels.type.item_field])))
+        values = pc.struct_field(pc.list_flatten(entries), "value")
+        if values.null_count:
+            row = pc.list_parent_indices(entries)[_first_row(pc.is_null(values))].as_py()
+            fail(_row_mask(len(labels), row), "labels", "must be a mapping of str to str")
+
+
+def _row_mask(n: int, row: int) -> pa.Array:
+    return pa.array(np.arange(n) == row)
+
+
+def _check_refs(ref: pa.Array, tenant: pa.Array, name: str, fail: Callable[..., None]) -> None:
+    """A ref's children are all there, its sha256 is hex, its tenant the event's, size >= 0."""
+    if ref.null_count == len(ref):
+        return
+    valid = pc.is_valid(ref)
+    sha = pc.struct_field(ref, "sha256")
+    ok = pc.and_(pc.and_(pc.equal(pc.struct_field(ref, "tenant"), tenant),
+                         pc.greater_equal(pc.struct_field(ref, "size"), 0)),
+                 pc.is_valid(sha))
+    bad = pc.and_(valid, pc.invert(pc.fill_null(ok, False)))
+    bad_sha = _first_bad(sha, SHA256_RE)
+    if not pc.any(bad).as_py() and bad_sha is None:
+        return
+    if bad_sha is not None:
+        fail(pc.fill_null(pc.equal(sha, bad_sha), False), name,
+             "sha256 must be 64 lowercase hex digits")
+    fail(pc.and_(valid, pc.is_null(sha)), name, "sha256 must be 64 lowercase hex digits",
+         certain=False)
+    fail(pc.and_(valid, pc.invert(pc.fill_null(
+        pc.equal(pc.struct_field(ref, "tenant"), tenant), False))), name,
+        "belongs to another tenant than the event", certain=False)
+    fail(bad, name, "size must be an int >= 0")
 
 
 def table_refs(t: pa.Table) -> set[BlobRef]:

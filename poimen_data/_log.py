@@ -16,7 +16,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from ._manifest import (
     loads,
     manifest_path,
 )
-from ._storage import Storage
+from ._storage import BackgroundPool, Storage
 from ._txn import BlobKey, CommitInfo, Transaction, _now_iso
 from .errors import CommitConflict, CorruptionError, NotFound, PoimenError, ValidationError
 
@@ -46,6 +46,19 @@ MAX_COMMIT_ATTEMPTS = 10_000
 MAX_AMBIGUOUS = 5
 _logger = logging.getLogger("poimen_data")
 _LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
+# Promotions of all logs of this process, one at a time (a commit's bodies in order).
+_PROMOTER = BackgroundPool("poimen-promote", 1)
+
+
+def _forget_promotions() -> None:
+    """A forked child does not wait for its parent's promotions (the parent finishes them,
+    or the next open rolls them forward)."""
+    for log in list(_LIVE_LOGS):
+        log._promotions = []
+        log._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forget_promotions)
 
 
 @atexit.register
@@ -186,7 +199,6 @@ class EventLog:
         self._state = _State()
         self._tables: dict[str, pa.Table] = {}
         self._unknown: set[str] = set()  # txns whose publish failed without telling if it landed
-        self._promoter: ThreadPoolExecutor | None = None
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
         self._promotions: list[Future[None]] = []
         self.blobs = FsBlobStore(self)
@@ -450,10 +462,8 @@ class EventLog:
             self._promote_commit(m, keep_staging)
             return
         with self._lock:
-            if self._promoter is None:
-                self._promoter = ThreadPoolExecutor(1, thread_name_prefix="poimen-promote")
-                _LIVE_LOGS.add(self)
-            self._promotions.append(self._promoter.submit(self._promote_commit, m,
+            _LIVE_LOGS.add(self)
+            self._promotions.append(_PROMOTER.submit(self._promote_commit, m,
                                                           keep_staging))
 
     def _promote_commit(self, m: Manifest, keep_staging: bool) -> None:

@@ -273,15 +273,17 @@ class Storage:
             return buf.size, hashlib.sha256(buf).hexdigest()
         path = self.full(rel)
         self._makedirs(os.path.dirname(path))
+        f = open(path, "xb")  # noqa: SIM115 - closed below; a name already there is not ours
         pool = ThreadPoolExecutor(1, thread_name_prefix="poimen-hash")
         try:
-            with open(path, "xb") as f:
+            with f:
                 sink = _HashingSink(f, pool)
                 fill(sink)
                 f.flush()
                 if self.durable:
                     os.fsync(f.fileno())  # the hash thread catches up meanwhile
             pool.shutdown(wait=True)
+            sink.check()
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             with contextlib.suppress(FileNotFoundError):
@@ -406,18 +408,38 @@ class Storage:
             raise NotFound(f"no such file: {self.url_of(src)}") from None
 
 
-_io_pool: ThreadPoolExecutor | None = None
-_io_pool_lock = threading.Lock()
+class BackgroundPool:
+    """A lazily started thread pool that survives ``fork`` (a child starts its own: the
+    parent's threads are not there) and interpreter shutdown (work then runs inline)."""
+
+    def __init__(self, name: str, workers: int) -> None:
+        self.name, self.workers = name, workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._pool, self._lock = None, threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
+            pool = self._pool
+        try:
+            return pool.submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            done: Future[Any] = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed over in the future
+                done.set_exception(exc)
+            return done
 
 
-def submit_io(fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """Run a write on the shared I/O pool: writes and fsyncs release the GIL, so a
-    transaction's files land while its Python work (validation) goes on."""
-    global _io_pool
-    with _io_pool_lock:
-        if _io_pool is None:
-            _io_pool = ThreadPoolExecutor(4, thread_name_prefix="poimen-io")
-    return _io_pool.submit(fn, *args)
+# Writes and fsyncs release the GIL: a transaction's files land on this pool while its
+# Python work (validation) goes on.
+IO_POOL = BackgroundPool("poimen-io", 4)
 
 
 class _HashingSink:
@@ -432,12 +454,25 @@ class _HashingSink:
         self.pool = pool
         self.sha = hashlib.sha256()
         self.size = 0
+        self.failed: BaseException | None = None
 
     def write(self, data: Any) -> int:
         n = self.f.write(data)
         self.size += n
-        self.pool.submit(self.sha.update, data)
+        self.pool.submit(self._update, data)
         return n
+
+    def _update(self, data: Any) -> None:
+        if self.failed is None:
+            try:
+                self.sha.update(data)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by check()
+                self.failed = exc
+
+    def check(self) -> None:
+        """After the pool is shut down: raise if a hash update failed (never a bad sha)."""
+        if self.failed is not None:
+            raise self.failed
 
     def tell(self) -> int:
         return self.size

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from . import events as ev
 from ._arrow import check_conformed, conform_table, events_to_table, table_refs
 from ._faults import crash_point
 from ._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
-from ._storage import PARALLEL_HASH_BYTES, submit_io
+from ._storage import IO_POOL, PARALLEL_HASH_BYTES, BackgroundPool
 from .errors import PoimenError, ValidationError
 
 if TYPE_CHECKING:
@@ -34,16 +33,11 @@ _logger = logging.getLogger("poimen_data")
 # A bulk table of this many rows or more is checked on a thread while the commit writes
 # its segment (its ValidationError is then raised by commit, not by extend).
 BACKGROUND_CHECK_ROWS = 50_000
-_checker: ThreadPoolExecutor | None = None
-_checker_lock = threading.Lock()
-
-
-def _check_in_background(t: pa.Table, where: str) -> Future[None]:
-    global _checker
-    with _checker_lock:
-        if _checker is None:
-            _checker = ThreadPoolExecutor(2, thread_name_prefix="poimen-check")
-    return _checker.submit(check_conformed, t, where)
+_CHECKS = BackgroundPool("poimen-check", 2)
+# put_blob writes bodies in the background, but at most this many (or bytes) at a time
+# per transaction: memory stays bounded and one busy writer does not starve the others
+MAX_IO_IN_FLIGHT = 8
+MAX_IO_BYTES_IN_FLIGHT = 32 << 20
 
 
 def _utcnow() -> datetime:
@@ -80,6 +74,7 @@ class Transaction:
         self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
         self._checks: list[Future[None]] = []  # checks of big tables still running
         self._io: list[Future[Any]] = []  # staged bodies and segment being written
+        self._io_bytes = 0
         self._spec: tuple[pa.Table, Future[SegmentInfo]] | None = None  # see extend
         self.commit_info: CommitInfo | None = None
 
@@ -127,7 +122,10 @@ class Transaction:
         if wait or self.log.storage.kind == "memory":
             self._write_new(path, data, "blob_staged")
         else:  # written while the caller goes on; commit waits for it before publishing
-            self._io.append(submit_io(self._write_new, path, data, "blob_staged"))
+            if len(self._io) >= MAX_IO_IN_FLIGHT or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
+                self._join_io()
+            self._io.append(IO_POOL.submit(self._write_new, path, data, "blob_staged"))
+            self._io_bytes += len(data)
 
     def _write_new(self, path: str, data: Any, point: str) -> None:
         self.log.storage.write_new(path, data)
@@ -135,8 +133,8 @@ class Transaction:
 
     def _join_io(self) -> None:
         """Wait for this transaction's files in flight; raise the first write error."""
-        pending, self._io = self._io, []
-        errors = [exc for f in pending if (exc := f.exception()) is not None]
+        errors = [exc for f in self._io if (exc := f.exception()) is not None]
+        self._io, self._io_bytes = [], 0  # only once all landed: abort waits for the rest
         if errors:
             raise errors[0]
 
@@ -170,11 +168,11 @@ class Transaction:
                 # Speculation: the first table is usually the whole commit, so its segment
                 # is written while it is checked; commit discards it if more events came.
                 self._segment_written = True
-                future = submit_io(self._write_segment, t)
+                future = IO_POOL.submit(self._write_segment, t)
                 self._io.append(future)
                 self._spec = (t, future)
             if t.num_rows >= BACKGROUND_CHECK_ROWS:
-                self._checks.append(_check_in_background(t, where))
+                self._checks.append(_CHECKS.submit(check_conformed, t, where))
             else:
                 try:
                     check_conformed(t, where)
@@ -205,9 +203,12 @@ class Transaction:
         self._done = True
         for f in self._checks:
             f.cancel()
-        for f in self._io:  # let writes in flight land, so the cleanup below sees them
-            f.exception()
-        self._io = []
+        for f in self._io:  # writes not started never will; those running land first,
+            f.cancel()      # so the cleanup below sees them
+        for f in self._io:
+            if not f.cancelled():
+                f.exception()
+        self._io, self._io_bytes = [], 0
         if self.txn in self.log._unknown:
             return  # it may have landed: leave its files to vacuum's reachability check
         if self._staged:
@@ -289,7 +290,8 @@ class Transaction:
         for f in checks:
             exc = f.exception()
             if exc is not None and self._failed is None:
-                self._failed = exc
+                self._failed = ValidationError(f"transaction rejected whole: {exc}") \
+                    if isinstance(exc, ValidationError) else exc
         if self._failed is not None:
             raise self._failed
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -65,10 +66,37 @@ MUTATIONS: dict[str, Mutation] = {
                                            if r["kind"] == "run_started" else None),
     "foreign field": lambda r: (("outcome", "succeeded") if r["kind"] != "run_finished"
                                 else ("verifier", "judge@1")),
+    "step_id too long": lambda r: (("step_id", "s" * 257) if r["step_id"] is not None
+                                   else None),
+    "workflow_version empty": lambda r: (("workflow_version", "")
+                                         if r["workflow_version"] is not None else None),
+    "workflow_version too long": lambda r: (("workflow_version", "w" * 257)
+                                            if r["workflow_version"] is not None else None),
+    "usage negative tokens": lambda r: _nested(r, "usage", "input_tokens", -1),
+    "usage negative cost": lambda r: _nested(r, "usage", "cost_usd", Decimal("-0.5")),
+    "context null item": lambda r: _nested(r, "context", "packed", ["kb/1", None]),
+    "tools null item": lambda r: _nested(r, "tools", "calls", [None]),
+    "labels null value": lambda r: (("labels", [("env", None)]) if r["labels"] is not None
+                                    else None),
+    "verifier unicode space": lambda r: (("verifier", "judge\u00a0x@1")
+                                         if r["kind"] == "verdict_recorded" else None),
+    "ref sha null": lambda r: _ref(r, sha256=None),
     "ref sha not hex": lambda r: _ref(r, sha256="XY" * 32),
     "ref other tenant": lambda r: _ref(r, tenant="other-tenant"),
     "ref negative size": lambda r: _ref(r, size=-1),
 }
+
+
+def _nested(row: dict[str, Any], name: str, child: str, value: Any) -> tuple[str, Any] | None:
+    """Set one child of a struct column; the fault is reported as ``name.child``."""
+    if row[name] is None:
+        return None
+    return name, {**row[name], child: value}
+
+
+FIELD_NAMED = {"usage negative tokens": "usage.input_tokens",
+               "usage negative cost": "usage.cost_usd", "context null item": "context.packed",
+               "tools null item": "tools.calls"}
 
 
 def _ref(row: dict[str, Any], **change: Any) -> tuple[str, Any] | None:
@@ -86,11 +114,13 @@ def test_base_table_is_valid_on_both_paths() -> None:
     kinds = {r["kind"] for r in BASE}
     assert kinds == set(ev.KINDS)  # every kind is in the table the mutations start from
     assert ev.validate_table(_table(BASE)).num_rows == len(BASE)
+    for pad in range(1, 9):
+        assert ev.validate_table(_table(BASE[:pad] + BASE).slice(pad)).num_rows == len(BASE)
     for r in BASE:
         ev.validate_event(ev.event_from_row(r))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_one_planted_fault_is_found_by_both_paths(data: st.DataObject) -> None:
     name = data.draw(st.sampled_from(sorted(MUTATIONS)), label="mutation")
@@ -99,8 +129,18 @@ def test_one_planted_fault_is_found_by_both_paths(data: st.DataObject) -> None:
     field, value = MUTATIONS[name](BASE[i])  # type: ignore[misc]
     rows = [dict(r) for r in BASE]
     rows[i][field] = value
+    field = FIELD_NAMED.get(name, field)
+    layout = data.draw(st.sampled_from(["plain", "sliced", "chunked"]), label="layout")
+    if layout == "sliced":  # offsets into the buffers that are not multiples of 8
+        pad = data.draw(st.integers(1, 13), label="offset")
+        table = _table(rows[:pad] + rows).slice(pad)
+    elif layout == "chunked":
+        cut = data.draw(st.integers(1, len(rows) - 1), label="cut")
+        table = pa.concat_tables([_table(rows[:cut]), _table(rows[cut:])])
+    else:
+        table = _table(rows)
     with pytest.raises(ev.ValidationError) as bulk:
-        ev.validate_table(_table(rows))
+        ev.validate_table(table)
     assert re.search(rf"row {i}\b.*field '{field}'", str(bulk.value)), str(bulk.value)
     if name == "foreign field":
         return  # an event object has no such field to set: only a table can carry it
@@ -108,6 +148,17 @@ def test_one_planted_fault_is_found_by_both_paths(data: st.DataObject) -> None:
         if rows[i]["kind"] not in ev.KINDS:
             raise ev.ValidationError(f"field '{field}' unknown")  # no class to build
         ev.validate_event(ev.event_from_row(rows[i]))
+
+
+def test_lengths_count_characters_not_bytes() -> None:
+    rows = [dict(r) for r in BASE]
+    i = next(j for j, r in enumerate(rows) if r["step_id"] is not None)
+    rows[i]["step_id"] = "é" * 256  # 512 bytes, 256 characters: allowed
+    assert ev.validate_table(_table(rows)).num_rows == len(rows)
+    ev.validate_event(ev.event_from_row(rows[i]))
+    rows[i]["step_id"] = "é" * 257
+    with pytest.raises(ev.ValidationError, match=rf"row {i} .*field 'step_id'"):
+        ev.validate_table(_table(rows))
 
 
 def test_many_distinct_values_take_the_arrow_regex_branch() -> None:
