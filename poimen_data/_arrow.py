@@ -267,6 +267,15 @@ class _Kinds:
         return bool(have) and bool(np.any(self.rows_of(have) & self.bits(mask)))
 
 
+def _validity(c: pa.Array, n: int) -> np.ndarray:
+    """A column's validity bitmap (``buffers()`` of a nested column lists its children's
+    too: ``is_valid`` is cheaper there)."""
+    if pa.types.is_nested(c.type):
+        v = pc.is_valid(c)
+        return _bitmap(v.buffers()[1], v.offset, n)
+    return _bitmap(c.buffers()[0], c.offset, n)
+
+
 def _bitmap(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
     """Bits ``offset .. offset + n`` of an Arrow bitmap as packed bytes starting at bit 0
     (zero-copy when aligned; bits past ``n`` in the last byte are left as they are)."""
@@ -318,24 +327,32 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
         if bad is not None:
             fail(pc.fill_null(pc.equal(values, bad), False), name,
                  f"must match {pattern.pattern}, got {bad!r}")
+    # Required and foreign columns: every (kind rows, validity) pair ANDed in one numpy
+    # operation over stacked bitmaps; the column at fault is looked for only on a hit.
+    pending: list[tuple[str, tuple[str, ...], pa.Array, bool]] = []
+    lhs: list[np.ndarray] = []
+    rhs: list[np.ndarray] = []
     for nm, required, foreign in _field_plan(frozenset(present)):
         c = col(nm).chunk(0)
         nulls = c.null_count
-        # validity bits straight from the column's bitmap (kind bitmaps are zero past n)
-        if required and nulls and (nulls == n or np.any(
-                kinds.rows_of(required) & ~_bitmap(c.buffers()[0], c.offset, n))):
-            fail(pc.and_(pc.is_in(kind, pa.array(required)), pc.is_null(c)), nm,
-                 "is required")
-        if foreign and nulls < n and (nulls == 0 or np.any(
-                kinds.rows_of(foreign) & _bitmap(c.buffers()[0], c.offset, n))):
-            first = _first_row(pc.and_(pc.is_in(kind, pa.array(foreign)), pc.is_valid(c)))
-            fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
-                 f"is not a field of {kind[first].as_py()}")
-        minimum = _MINIMUM.get(nm)
-        if minimum is not None and nulls < n:
-            lo = pc.min_max(c)["min"].as_py()
-            if lo is not None and lo < minimum:
-                fail(pc.fill_null(pc.less(c, minimum), False), nm, f"must be >= {minimum}")
+        if required and nulls:
+            pending.append((nm, required, c, True))
+            lhs.append(kinds.rows_of(required))
+            rhs.append(~_validity(c, n) if nulls < n else np.full((n + 7) // 8, 255, np.uint8))
+        if foreign and nulls < n:
+            pending.append((nm, foreign, c, False))
+            lhs.append(kinds.rows_of(foreign))
+            rhs.append(_validity(c, n) if nulls else np.full((n + 7) // 8, 255, np.uint8))
+    hits = np.any(np.stack(lhs) & np.stack(rhs), axis=1) if lhs else ()
+    for (nm, of, c, required), hit in zip(pending, hits, strict=True):
+        if not hit:
+            continue
+        if required:
+            fail(pc.and_(pc.is_in(kind, pa.array(of)), pc.is_null(c)), nm, "is required")
+        first = _first_row(pc.and_(pc.is_in(kind, pa.array(of)), pc.is_valid(c)))
+        fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
+             f"is not a field of {kind[first].as_py()}")
+    _check_minimums(t, fail)
     if "branch_forked" in present:
         pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
         if kinds.any(["branch_forked"], pc.greater_equal(pb, b)):
@@ -371,6 +388,18 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
         _check_refs(col(name).chunk(0), tenant, name, fail)
 
 
+def _check_minimums(t: pa.Table, fail: Callable[..., None]) -> None:
+    """Ids and counts at least their minimum: one ``min`` over the columns sharing one."""
+    for minimum in sorted(set(_MINIMUM.values())):
+        cols = [(nm, t.column(nm).chunk(0)) for nm, m in _MINIMUM.items() if m == minimum]
+        cols = [(nm, c) for nm, c in cols if c.null_count < len(c)]
+        if not cols or pc.min(pa.concat_arrays([c for _, c in cols])).as_py() >= minimum:
+            continue
+        for nm, c in cols:
+            fail(pc.fill_null(pc.less(c, minimum), False), nm, f"must be >= {minimum}",
+                 certain=False)
+
+
 def _check_lengths(values: pa.Array, name: str, longest: int, fail: Callable[..., None]) -> None:
     """Where present: non-empty, at most ``longest`` characters (``_check_str``)."""
     if values.null_count == len(values):
@@ -388,25 +417,28 @@ def _check_lengths(values: pa.Array, name: str, longest: int, fail: Callable[...
 
 def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., None]) -> None:
     """Inside the nested columns: counts >= 0, cost >= 0, no null list items or labels."""
+    # One kernel call per check over the children concatenated (a small table pays per
+    # call, not per row); the child at fault is looked for only when the check fails.
     usage = col("usage").chunk(0)
     if usage.null_count < len(usage):
-        for f in ("input_tokens", "output_tokens", "cache_read_input_tokens",
-                  "reasoning_tokens", "cost_usd"):
-            v = pc.struct_field(usage, f)  # null where the struct is null
-            lo = pc.min(v).as_py()
-            if lo is not None and lo < 0:
+        kids = usage.flatten()  # children with the struct's nulls merged in
+        names = [f.name for f in usage.type][:5]
+        tokens, cost = pa.concat_arrays(kids[:4]), kids[4]
+        if (pc.min(tokens).as_py() or 0) < 0 or (pc.min(cost).as_py() or 0) < 0:
+            for f, v in zip(names, kids[:5], strict=True):
                 fail(pc.fill_null(pc.less(v, pa.scalar(0, v.type)), False), f"usage.{f}",
-                     "must be >= 0")
-    parts = [("context", f) for f in ("packed", "available", "dropped")] + [("tools", "calls")]
-    for name, f in parts:
+                     "must be >= 0", certain=False)
+    lists = []
+    for name in ("context", "tools"):
         outer = col(name).chunk(0)
-        if outer.null_count == len(outer):
-            continue
-        lists = pc.struct_field(outer, f)
-        row = _bad_item_row(lists)
-        if row is not None:
-            fail(_row_mask(len(lists), row), f"{name}.{f}",
-                 "must be a tuple of str")
+        if outer.null_count < len(outer):
+            lists += [(f"{name}.{f.name}", v) for f, v in zip(outer.type, outer.flatten(),
+                                                                strict=True)]
+    if lists and pc.list_flatten(pa.concat_arrays([v for _, v in lists])).null_count:
+        for fld, v in lists:
+            row = _bad_item_row(v)
+            if row is not None:
+                fail(_row_mask(len(v), row), fld, "must be a tuple of str")
     labels = col("labels").chunk(0)
     if labels.null_count < len(labels):
         entries = labels.cast(pa.list_(pa.struct([labels.type.key_field,
