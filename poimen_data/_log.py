@@ -451,14 +451,14 @@ class EventLog:
                     ) from None
 
     def _after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
-        """Promote a just-published commit's bodies. On local disk that is a few renames,
-        done now; on an object store it is a copy and a delete per body, done on a
-        background thread so the commit returns at its publish (readers find the bodies
-        in staging meanwhile, and the next open rolls forward what a crash left)."""
+        """Promote a just-published commit's bodies on a background thread (renames on
+        local disk, a copy and a delete per body on an object store), so the commit returns
+        at its publish: readers find the bodies in staging meanwhile, ``flush()`` waits for
+        them, and the next open rolls forward what a crash left. ``memory://`` promotes now."""
         if not any(b.staged for b in m.blobs):
             crash_point("blobs_promoted")
             return
-        if self.storage.kind != "s3":
+        if self.storage.kind == "memory":
             self._promote_commit(m, keep_staging)
             return
         with self._lock:
