@@ -151,6 +151,7 @@ class VacuumReport:
     bytes_removed: int = 0
     kept_young: int = 0  # files left because they are younger than the grace period
     state_files_removed: int = 0  # materialized-state files no pointer names
+    temp_files_removed: int = 0  # temp files a writer died with under _log/
 
 
 def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
@@ -163,7 +164,8 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
       superseded by compaction once the compaction is older than ``retention`` (default:
       ``grace``). Manifests are never removed, and compacted segments keep every LSN, so
       ``at_lsn`` time travel reaches back to LSN 1 whatever vacuum removed;
-    - bodies in ``blobs/`` that no manifest covers, or whose last mention is a reduction.
+    - bodies in ``blobs/`` that no manifest covers, or whose last mention is a reduction;
+    - temp files under ``_log/`` that a writer died with (before its link or rename).
     ``grace=0`` removes all of that at once: safe only when no other writer is active.
     """
     retention = grace if retention is None else retention
@@ -173,6 +175,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
         # List first, then read the manifests: a file listed here whose commit published
         # before the read below is seen as committed.
         staging = st.list_dir("_staging")
+        temps = [f"_log/{n}" for n in st.list_dir("_log") if ".tmp-" in n]
         seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
@@ -245,9 +248,12 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
             nbytes += st.size(p) or 0
             bodies += st.delete(p)
         state_removed = _vacuum_state(log, state_files, lambda p: old(p, grace))
+        # a manifest's temp file (before its link) or a pointer's (before its rename):
+        # only a writer that died leaves one; a live one's is younger than grace
+        temps_removed = sum(st.delete(p) for p in temps if old(p, grace))
         log.refresh()
     return VacuumReport(removed, promoted, segs, bodies, nbytes, young,
-                        state_files_removed=state_removed)
+                        state_files_removed=state_removed, temp_files_removed=temps_removed)
 
 
 def _vacuum_state(log: EventLog, files: list[str], old_enough: Callable[[str], bool]) -> int:

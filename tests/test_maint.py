@@ -16,6 +16,7 @@ from test_log_processes import CHILD, _assert_consistent, _env
 
 import poimen_data as pdm
 from poimen_data import events as E
+from poimen_data import synth
 from poimen_data._maint import lease
 from poimen_data._manifest import blob_path
 
@@ -208,6 +209,23 @@ def test_vacuum_removes_state_files_a_crashed_materialize_left(tmp_path: Path) -
     assert report.state_files_removed == len(orphans)
     assert sorted(log.storage.walk_files("state")) == kept
     assert pdm.check(log).ok
+
+
+def test_vacuum_removes_temp_files_a_dead_writer_left_under_log(tmp_path: Path) -> None:
+    """A writer killed between its manifest's temp file and the link leaves
+    ``_log/.tmp-<uuid>`` (and a pointer writer ``…json.tmp-<uuid>``): vacuum removes them
+    once older than grace, and nothing else under ``_log/``."""
+    log = pdm.open_log(str(tmp_path / "log"))
+    synth.generate(log, runs=3, seed=5, batch=4)
+    before = sorted(log.storage.list_dir("_log"))
+    dead = ["_log/.tmp-0123456789abcdef", "_log/_last_checkpoint.json.tmp-fedcba9876543210"]
+    for p in dead:
+        log.storage.write(p, b'{"seq": 99')  # half a manifest
+    assert pdm.vacuum(log, grace=3600).temp_files_removed == 0  # young: maybe a live writer
+    report = pdm.vacuum(log, grace=0)
+    assert report.temp_files_removed == 2
+    assert sorted(log.storage.list_dir("_log")) == before
+    assert pdm.open_log(str(tmp_path / "log")).head == log.head
 
 
 def test_reduce_whose_summary_equals_another_reduced_body(tmp_path: Path) -> None:
