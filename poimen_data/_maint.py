@@ -17,6 +17,7 @@ protocol in ``_log`` keeps them safe from what maintenance removes:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -38,31 +39,81 @@ DEFAULT_GRACE_S = 3600.0
 COMPACT_TARGET_ROWS = 100_000
 
 
+class Lease:
+    """The maintenance lease while held. A daemon thread renews it every third of its TTL,
+    so maintenance that runs longer than the TTL keeps it; if the lease was taken over
+    anyway (this process stalled past the expiry), ``check()`` raises ``LeaseHeld`` and
+    the operation stops before its next destructive step."""
+
+    def __init__(self, log: EventLog, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.log, self.ttl_s, self.clock = log, ttl_s, clock
+        self.owner = uuid.uuid4().hex
+        self.lost = False
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _body(self) -> bytes:
+        return orjson.dumps({"owner": self.owner, "expires": self.clock() + self.ttl_s})
+
+    def acquire(self, renew: bool = True) -> None:
+        st = self.log.storage
+        if not st.put_if_absent(LEASE, self._body()):
+            held = _read_lease(self.log)
+            if held is not None and held.get("expires", 0) > self.clock():
+                raise LeaseHeld(f"{self.log.root}: maintenance lease held by "
+                                f"{held.get('owner')} for "
+                                f"{held['expires'] - self.clock():.0f} s more")
+            st.delete(LEASE)
+            if not st.put_if_absent(LEASE, self._body()):
+                raise LeaseHeld(f"{self.log.root}: maintenance lease taken by another process")
+        if renew:
+            self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                             name="poimen-lease")
+            self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            if not self.renew():
+                return
+
+    def renew(self) -> bool:
+        """Push the expiry a TTL ahead if the lease is still ours; False once it is not."""
+        held = _read_lease(self.log)
+        if held is None or held.get("owner") != self.owner:
+            self.lost = True
+            return False
+        self.log.storage.write(LEASE, self._body())
+        return True
+
+    def check(self) -> None:
+        if self.lost:
+            raise LeaseHeld(f"{self.log.root}: the maintenance lease was taken over while "
+                            "this process held it; stopped before changing anything more")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        held = _read_lease(self.log)
+        if held is not None and held.get("owner") == self.owner:
+            self.log.storage.delete(LEASE)
+
+
 @contextlib.contextmanager
-def lease(log: EventLog, ttl_s: float = LEASE_TTL_S) -> Iterator[str]:
-    """Hold the maintenance lease of ``log`` for the block.
+def lease(log: EventLog, ttl_s: float = LEASE_TTL_S, *, renew: bool = True,
+          clock: Callable[[], float] = time.time) -> Iterator[Lease]:
+    """Hold the maintenance lease of ``log`` for the block (renewed while held).
 
     A lease past its expiry is taken over (its holder died). Taking over is not atomic
     with the read of the stale lease; two processes breaking the same stale lease at the
     same instant is the one case this does not exclude.
     """
-    owner = uuid.uuid4().hex
-    body = orjson.dumps({"owner": owner, "expires": time.time() + ttl_s})
-    st = log.storage
-    if not st.put_if_absent(LEASE, body):
-        held = _read_lease(log)
-        if held is not None and held.get("expires", 0) > time.time():
-            raise LeaseHeld(f"{log.root}: maintenance lease held by {held.get('owner')} "
-                            f"for {held['expires'] - time.time():.0f} s more")
-        st.delete(LEASE)
-        if not st.put_if_absent(LEASE, body):
-            raise LeaseHeld(f"{log.root}: maintenance lease taken by another process")
+    held = Lease(log, ttl_s, clock)
+    held.acquire(renew)
     try:
-        yield owner
+        yield held
     finally:
-        held = _read_lease(log)
-        if held is not None and held.get("owner") == owner:
-            st.delete(LEASE)
+        held.release()
 
 
 def _read_lease(log: EventLog) -> dict[str, Any] | None:
@@ -100,7 +151,7 @@ def reduce(
     refs = list(dict.fromkeys(refs))
     for r in refs:
         ev.check_ref(r, "reduce")
-    with lease(log):
+    with lease(log) as held:
         log.refresh()
         done: list[tuple[ev.BlobRef, ev.BlobRef]] = []
         skipped: list[ev.BlobRef] = []
@@ -129,6 +180,7 @@ def reduce(
                 tx.append(ev.BlobReduced(r.tenant, r, s))
                 done.append((r, s))
         freed = 0
+        held.check()
         for r, _s in done:
             for p in sorted(copies[(r.tenant, r.sha256)]):
                 size = log.storage.size(p)
@@ -171,7 +223,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
     retention = grace if retention is None else retention
     st = log.storage
     now = time.time()
-    with lease(log):
+    with lease(log) as held:
         # List first, then read the manifests: a file listed here whose commit published
         # before the read below is seen as committed.
         staging = st.list_dir("_staging")
@@ -200,6 +252,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
             return t is None or now - t >= limit
 
         removed = promoted = segs = bodies = nbytes = young = 0
+        held.check()
         for txn in staging:
             files = list(st.walk_files(f"_staging/{txn}"))
             if txn in committed:
@@ -221,6 +274,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
                 nbytes += st.size(f) or 0
                 removed += st.delete(f)
             st.delete_tree(f"_staging/{txn}")
+        held.check()
         for p in seg_files:
             if p in live_segments:
                 continue
@@ -234,6 +288,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
                 continue
             nbytes += st.size(p) or 0
             segs += st.delete(p)
+        held.check()
         for p in body_files:
             parts = p.split("/")
             if len(parts) != 4:
@@ -301,7 +356,7 @@ def compact(log: EventLog, *, target_rows: int = COMPACT_TARGET_ROWS,
     readers skip them. A checkpoint follows, so opening stays flat.
     """
     small = target_rows // 2 if min_rows is None else min_rows
-    with lease(log):
+    with lease(log) as held:
         log.refresh()
         segs = log.segments()
         before = len(segs)
@@ -342,6 +397,7 @@ def compact(log: EventLog, *, target_rows: int = COMPACT_TARGET_ROWS,
             return Manifest(seq=seq, txn=txn, kind="compact", first_lsn=first, n_events=0,
                             ts=_now_iso(), segments=tuple(new), supersedes=gone)
 
+        held.check()
         m = log._publish(make, txn)
         log.write_checkpoint()
     return CompactReport(before, before - len(gone) + len(new), len(gone), len(new), m.seq)

@@ -98,6 +98,39 @@ def _wait_for(p: subprocess.Popen, word: bytes) -> None:
     assert line == word + b"\n", (line, p.stderr.read() if p.stderr else b"")
 
 
+class _Clock:
+    """A clock the test moves by hand (the lease's TTL is about time, not rendezvous)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_renewed_while_held_and_a_lost_lease_stops_maintenance(root: Root) -> None:
+    log = root.open()
+    clock = _Clock()
+    with lease(log, ttl_s=10, renew=False, clock=clock) as held:
+        clock.now += 8
+        assert held.renew()  # what the renewer thread does every ttl/3
+        clock.now += 5  # past the first expiry, before the renewed one
+        with pytest.raises(pdm.LeaseHeld, match="held by"):
+            with lease(log, clock=clock, renew=False):
+                pass
+        held.check()  # still ours
+        clock.now += 10  # stalled past the renewed expiry: another process takes over
+        with lease(log, clock=clock, renew=False) as other:
+            assert not held.renew() and held.lost
+            with pytest.raises(pdm.LeaseHeld, match="taken over"):
+                held.check()
+            assert other.renew()  # ours never touched the new holder's lease
+    with lease(log) as held:  # the real renewer thread: started, and joined at release
+        assert held._renewer is not None and held._renewer.is_alive()
+    assert not held._renewer.is_alive()
+    assert log.storage.read_or_none("_lease.json") is None
+
+
 def _release(p: subprocess.Popen) -> None:
     assert p.stdin is not None
     p.stdin.write(b"go\n")
