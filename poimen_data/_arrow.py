@@ -214,10 +214,8 @@ _RE2_AGREES = (TENANT_RE, RUN_ID_RE, SHA256_RE)
 def _distinct(col: pa.Array) -> list[Any]:
     """The distinct non-null values of a column. A small table is read in one go (a kernel
     call costs more than its 100 rows); a big one is reduced by ``unique`` first."""
-    if len(col) <= _PY_REGEX_LIMIT:
-        values = set(col.to_pylist())
-        values.discard(None)
-        return list(values)
+    if len(col) <= _PY_REGEX_LIMIT:  # first-occurrence order, like unique: the row named
+        return [v for v in dict.fromkeys(col.to_pylist()) if v is not None]  # is stable
     return pc.unique(col.drop_null()).to_pylist()
 
 
@@ -246,11 +244,11 @@ def _first_outside(col: pa.Array, ok: Callable[[Any], bool]) -> Any:
 
 
 def _bad_item_row(lists: pa.Array) -> int | None:
-    """The first row of a list (or map-as-list) column holding a null item."""
-    items = pc.list_flatten(lists)
-    if not items.null_count:
+    """The first row of a list column holding a null item (``list_flatten`` skips null
+    rows; the row is then found row by row, on this fault path only)."""
+    if not pc.list_flatten(lists).null_count:
         return None
-    return int(pc.list_parent_indices(lists)[_first_row(pc.is_null(items))].as_py())
+    return next(i for i, v in enumerate(lists.to_pylist()) if v is not None and None in v)
 
 
 class _Kinds:
@@ -372,15 +370,15 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
         fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
              f"is not a field of {kind[first].as_py()}")
     _check_minimums(t, fail)
-    if "branch_forked" in present:
+    if "branch_forked" in present:  # branch_id first, as validate_event checks it
         pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
+        if kinds.any(["branch_forked"], pc.less(b, 1)):
+            fail(pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(pc.less(b, 1), False)),
+                 "branch_id", "must be >= 1")
         if kinds.any(["branch_forked"], pc.greater_equal(pb, b)):
             fail(pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(
                 pc.greater_equal(pb, b), False)), "parent_branch_id",
                 "must be lower than branch_id")
-        if kinds.any(["branch_forked"], pc.less(b, 1)):
-            fail(pc.and_(pc.equal(kind, "branch_forked"), pc.fill_null(pc.less(b, 1), False)),
-                 "branch_id", "must be >= 1")
     # State and outcome are foreign to every other kind (checked above), so any value of
     # the column belongs to a kind that needs it to be one of these.
     for name, allowed in (("state", TERMINAL_ATTEMPT_STATES), ("outcome", RUN_OUTCOMES)):
@@ -397,6 +395,10 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
                  f"must be 'name@version', got {bad!r}")
     for name, longest in (("step_id", STEP_ID_MAX), ("workflow_version", 256)):
         values = col(name).chunk(0)
+        if len(values) > _PY_REGEX_LIMIT and values.null_count < len(values):
+            size = pc.min_max(pc.binary_length(values))  # bytes >= characters
+            if size["min"].as_py() > 0 and size["max"].as_py() <= longest:
+                continue
         bad = _first_outside(values, lambda v, longest=longest: 0 < len(v) <= longest)
         if bad is not None:
             fail(pc.fill_null(pc.equal(values, bad), False), name,
@@ -448,7 +450,8 @@ def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., Non
                                                   labels.type.item_field])))
         values = pc.struct_field(pc.list_flatten(entries), "value")
         if values.null_count:
-            row = pc.list_parent_indices(entries)[_first_row(pc.is_null(values))].as_py()
+            row = next(i for i, v in enumerate(labels.to_pylist())
+                       if v is not None and any(val is None for _k, val in v))
             fail(_row_mask(len(labels), row), "labels", "must be a mapping of str to str")
 
 

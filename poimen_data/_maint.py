@@ -17,6 +17,7 @@ protocol in ``_log`` keeps them safe from what maintenance removes:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -31,29 +32,39 @@ from . import events as ev
 from ._log import EventLog
 from ._manifest import Manifest, SegmentInfo, blob_path
 from ._txn import _now_iso
-from .errors import CorruptionError, LeaseHeld, ValidationError
+from .errors import CorruptionError, LeaseHeld, NotFound, ValidationError
 
 LEASE = "_lease.json"
+_logger = logging.getLogger("poimen_data")
 LEASE_TTL_S = 600.0
 DEFAULT_GRACE_S = 3600.0
 COMPACT_TARGET_ROWS = 100_000
 
 
 class Lease:
-    """The maintenance lease while held. A daemon thread renews it every third of its TTL,
-    so maintenance that runs longer than the TTL keeps it; if the lease was taken over
-    anyway (this process stalled past the expiry), ``check()`` raises ``LeaseHeld`` and
-    the operation stops before its next destructive step."""
+    """The maintenance lease while held.
+
+    A daemon thread renews it every third of its TTL while the operation makes progress
+    (calls ``check()``; a hung operation is not kept alive, its lease expires). ``check()``
+    raises ``LeaseHeld`` once this process may no longer hold the lease: past the last
+    expiry it wrote (it stalled, or renewal kept failing), or when the lease file names
+    another owner; the operation then stops before its next destructive step. A renewal
+    is never written past our own expiry, so it cannot overwrite a lease another process
+    took over from an expired one.
+    """
 
     def __init__(self, log: EventLog, ttl_s: float, clock: Callable[[], float]) -> None:
         self.log, self.ttl_s, self.clock = log, ttl_s, clock
         self.owner = uuid.uuid4().hex
         self.lost = False
+        self.expires = 0.0  # the last expiry this process wrote
+        self._progress = self._verified = clock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
     def _body(self) -> bytes:
-        return orjson.dumps({"owner": self.owner, "expires": self.clock() + self.ttl_s})
+        self.expires = self.clock() + self.ttl_s
+        return orjson.dumps({"owner": self.owner, "expires": self.expires})
 
     def acquire(self, renew: bool = True) -> None:
         st = self.log.storage
@@ -73,11 +84,20 @@ class Lease:
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
-            if not self.renew():
-                return
+            if self.clock() - self._progress > self.ttl_s:
+                continue  # no progress for a whole TTL: let the lease expire
+            try:
+                if not self.renew():
+                    return
+            except Exception as exc:  # noqa: BLE001 - retried next tick; check() sees expiry
+                _logger.warning("%s: renewing the maintenance lease failed: %s",
+                                self.log.root, exc)
 
     def renew(self) -> bool:
         """Push the expiry a TTL ahead if the lease is still ours; False once it is not."""
+        if self.clock() >= self.expires:
+            self.lost = True  # expired: another process may hold it now, never overwrite
+            return False
         held = _read_lease(self.log)
         if held is None or held.get("owner") != self.owner:
             self.lost = True
@@ -86,9 +106,20 @@ class Lease:
         return True
 
     def check(self) -> None:
+        """Raise ``LeaseHeld`` unless this process still holds the lease (and note the
+        progress that keeps it renewed). Reads the lease file at most every TTL/10."""
+        now = self.clock()
+        if not self.lost and now >= self.expires:
+            self.lost = True
+        if not self.lost and now - self._verified >= self.ttl_s / 10:
+            held = _read_lease(self.log)
+            self.lost = held is None or held.get("owner") != self.owner
+            self._verified = now
         if self.lost:
-            raise LeaseHeld(f"{self.log.root}: the maintenance lease was taken over while "
-                            "this process held it; stopped before changing anything more")
+            raise LeaseHeld(f"{self.log.root}: the maintenance lease expired or was taken "
+                            "over while this process held it; stopped before changing "
+                            "anything more")
+        self._progress = now
 
     def release(self) -> None:
         self._stop.set()
@@ -158,6 +189,7 @@ def reduce(
         copies: dict[tuple[str, str], set[str]] = {}
         with log.transaction() as tx:
             for r in refs:
+                held.check()
                 body = log.blobs.get(r)
                 if body is None:
                     skipped.append(r)
@@ -179,6 +211,7 @@ def reduce(
                                           "body itself; nothing would be reduced")
                 tx.append(ev.BlobReduced(r.tenant, r, s))
                 done.append((r, s))
+            held.check()  # before the commit that makes the originals deletable
         freed = 0
         held.check()
         for r, _s in done:
@@ -227,7 +260,10 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
         # List first, then read the manifests: a file listed here whose commit published
         # before the read below is seen as committed.
         staging = st.list_dir("_staging")
-        temps = [f"_log/{n}" for n in st.list_dir("_log") if ".tmp-" in n]
+        # temp files of a dead writer: a manifest's before its link, a pointer's or the
+        # lease's before its rename (local disk only: S3 and memory write in one request)
+        temps = [p for d in ("", "_log") for n in st.list_dir(d) if ".tmp-" in n
+                 for p in (f"{d}/{n}" if d else n,)] if st.kind == "local" else []
         seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
@@ -254,6 +290,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
         removed = promoted = segs = bodies = nbytes = young = 0
         held.check()
         for txn in staging:
+            held.check()  # cheap: reads the lease at most every TTL/10
             files = list(st.walk_files(f"_staging/{txn}"))
             if txn in committed:
                 for b in committed[txn].blobs:
@@ -261,8 +298,13 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
                         continue
                     key = (b.tenant, b.sha256)
                     if latest.get(key) != "reduce" and not st.exists(blob_path(*key)):
-                        st.copy(b.staged, blob_path(*key))
-                        promoted += 1
+                        try:
+                            st.copy(b.staged, blob_path(*key))
+                            promoted += 1
+                        except NotFound:  # the writer's own promotion moved it meanwhile
+                            if not st.exists(blob_path(*key)):
+                                raise
+                            continue
                     nbytes += st.size(b.staged) or 0
                     st.delete(b.staged)
                 st.delete_tree(f"_staging/{txn}")
@@ -276,6 +318,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
             st.delete_tree(f"_staging/{txn}")
         held.check()
         for p in seg_files:
+            held.check()
             if p in live_segments:
                 continue
             if p in listed:
@@ -290,6 +333,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
             segs += st.delete(p)
         held.check()
         for p in body_files:
+            held.check()
             parts = p.split("/")
             if len(parts) != 4:
                 continue
@@ -302,9 +346,9 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
                 continue
             nbytes += st.size(p) or 0
             bodies += st.delete(p)
+        held.check()
         state_removed = _vacuum_state(log, state_files, lambda p: old(p, grace))
-        # a manifest's temp file (before its link) or a pointer's (before its rename):
-        # only a writer that died leaves one; a live one's is younger than grace
+        held.check()  # a live writer's temp file is younger than grace
         temps_removed = sum(st.delete(p) for p in temps if old(p, grace))
         log.refresh()
     return VacuumReport(removed, promoted, segs, bodies, nbytes, young,

@@ -241,10 +241,15 @@ class Transaction:
                 raise self._failed
 
     def _committed_size(self, key: BlobKey) -> int | None:
-        size = self.log.storage.size(blob_path(*key))
+        """Its size in ``blobs/``, else in staging, else in ``blobs/`` again: a background
+        promotion may move it between the first two looks (as ``get`` reads it)."""
+        home = blob_path(*key)
+        size = self.log.storage.size(home)
         if size is None:
             _reduced, staged = self.log._blob_location(key)
             size = self.log.storage.size(staged) if staged else None
+            if size is None:
+                size = self.log.storage.size(home)
         return size
 
     def commit(self) -> CommitInfo:

@@ -60,6 +60,7 @@ MUTATIONS: dict[str, Mutation] = {
     "outcome unknown": lambda r: ("outcome", "meh") if r["kind"] == "run_finished" else None,
     "verifier malformed": lambda r: (("verifier", "judge") if r["kind"] == "verdict_recorded"
                                      else None),
+    "fork branch zero": lambda r: ("branch_id", 0) if r["kind"] == "branch_forked" else None,
     "fork parent not lower": lambda r: (("parent_branch_id", r["branch_id"])
                                        if r["kind"] == "branch_forked" else None),
     "workflow_version missing": lambda r: (("workflow_version", None)
@@ -148,6 +149,13 @@ def test_one_planted_fault_is_found_by_both_paths(data: st.DataObject) -> None:
         if rows[i]["kind"] not in ev.KINDS:
             raise ev.ValidationError(f"field '{field}' unknown")  # no class to build
         ev.validate_event(ev.event_from_row(rows[i]))
+
+
+def test_the_first_faulty_row_is_named_whatever_the_hash_seed() -> None:
+    rows = [dict(r) for r in BASE]
+    rows[3]["tenant"], rows[10]["tenant"] = "bad tenant", "also bad"
+    with pytest.raises(ev.ValidationError, match=r"row 3 .*field 'tenant'"):
+        ev.validate_table(_table(rows))
 
 
 def test_lengths_count_characters_not_bytes() -> None:

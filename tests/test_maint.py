@@ -125,6 +125,14 @@ def test_lease_renewed_while_held_and_a_lost_lease_stops_maintenance(root: Root)
             with pytest.raises(pdm.LeaseHeld, match="taken over"):
                 held.check()
             assert other.renew()  # ours never touched the new holder's lease
+    with lease(log, ttl_s=10, renew=False, clock=clock) as held:
+        log.storage.write("_lease.json", b'{"owner": "someone else", "expires": 1e12}')
+        held.check()  # the file is read at most every TTL/10 ...
+        clock.now += 1
+        with pytest.raises(pdm.LeaseHeld):  # ... and then names another owner
+            held.check()
+    assert log.storage.read("_lease.json") == b'{"owner": "someone else", "expires": 1e12}'
+    log.storage.delete("_lease.json")
     with lease(log) as held:  # the real renewer thread: started, and joined at release
         assert held._renewer is not None and held._renewer.is_alive()
     assert not held._renewer.is_alive()
