@@ -285,11 +285,8 @@ class _Kinds:
 
 
 def _validity(c: pa.Array, n: int) -> np.ndarray:
-    """A column's validity bitmap (``buffers()`` of a nested column lists its children's
-    too: ``is_valid`` is cheaper there)."""
-    if pa.types.is_nested(c.type):
-        v = pc.is_valid(c)
-        return _bitmap(v.buffers()[1], v.offset, n)
+    """A column's validity bitmap: the first of its buffers (a nested column lists its
+    children's after it; still cheaper than a kernel call)."""
     return _bitmap(c.buffers()[0], c.offset, n)
 
 
