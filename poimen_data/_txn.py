@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from . import events as ev
 from ._arrow import check_conformed, conform_table, events_to_table, table_refs
-from ._faults import crash_point
+from ._faults import crash_point, write_in_flight
 from ._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
 from ._storage import IO_POOL, PARALLEL_HASH_BYTES, BackgroundPool
 from .errors import PoimenError, ValidationError
@@ -128,7 +128,8 @@ class Transaction:
             self._io_bytes += len(data)
 
     def _write_new(self, path: str, data: Any, point: str) -> None:
-        self.log.storage.write_new(path, data)
+        with write_in_flight():
+            self.log.storage.write_new(path, data)
         crash_point(point)
 
     def _join_io(self) -> None:
@@ -331,13 +332,15 @@ class Transaction:
         # nbytes walks every buffer (0.1 ms on a small table): asked of big tables only
         if storage.kind == "local" and table.num_rows > 10_000 \
                 and table.nbytes >= PARALLEL_HASH_BYTES:
-            size, sha = storage.write_hashed(path, fill, table.nbytes)  # streamed, hashed
+            with write_in_flight():
+                size, sha = storage.write_hashed(path, fill, table.nbytes)  # streamed
         else:
             sink = pa.BufferOutputStream()
             fill(sink)
             buf = sink.getvalue()
             size, sha = buf.size, hashlib.sha256(buf).hexdigest()
-            storage.write_new(path, buf)
+            with write_in_flight():
+                storage.write_new(path, buf)
         crash_point("segment_written")
         return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
 
