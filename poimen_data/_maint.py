@@ -262,8 +262,9 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
         staging = st.list_dir("_staging")
         # temp files of a dead writer: a manifest's before its link, a pointer's or the
         # lease's before its rename (local disk only: S3 and memory write in one request)
-        temps = [p for d in ("", "_log") for n in st.list_dir(d) if ".tmp-" in n
-                 for p in (f"{d}/{n}" if d else n,)] if st.kind == "local" else []
+        temps = [] if st.kind != "local" else (
+            [n for n in st.list_dir("") if ".tmp-" in n]
+            + [f"_log/{n}" for n in st.list_dir("_log") if ".tmp-" in n])
         seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
@@ -288,7 +289,6 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
             return t is None or now - t >= limit
 
         removed = promoted = segs = bodies = nbytes = young = 0
-        held.check()
         for txn in staging:
             held.check()  # cheap: reads the lease at most every TTL/10
             files = list(st.walk_files(f"_staging/{txn}"))
@@ -316,7 +316,6 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
                 nbytes += st.size(f) or 0
                 removed += st.delete(f)
             st.delete_tree(f"_staging/{txn}")
-        held.check()
         for p in seg_files:
             held.check()
             if p in live_segments:
@@ -331,7 +330,6 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
                 continue
             nbytes += st.size(p) or 0
             segs += st.delete(p)
-        held.check()
         for p in body_files:
             held.check()
             parts = p.split("/")

@@ -22,7 +22,7 @@ from . import events as ev
 from ._arrow import check_conformed, conform_table, events_to_table, table_refs
 from ._faults import crash_point, write_in_flight
 from ._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
-from ._storage import IO_POOL, PARALLEL_HASH_BYTES, BackgroundPool
+from ._storage import IO_POOL, BackgroundPool
 from .errors import PoimenError, ValidationError
 
 if TYPE_CHECKING:
@@ -328,19 +328,11 @@ class Transaction:
 
         path = self._segment_path
         self._segment_written = True
-        storage = self.log.storage
-        # nbytes walks every buffer (0.1 ms on a small table): asked of big tables only
-        if storage.kind == "local" and table.num_rows > 10_000 \
-                and table.nbytes >= PARALLEL_HASH_BYTES:
-            with write_in_flight():
-                size, sha = storage.write_hashed(path, fill, table.nbytes)  # streamed
-        else:
-            sink = pa.BufferOutputStream()
-            fill(sink)
-            buf = sink.getvalue()
-            size, sha = buf.size, hashlib.sha256(buf).hexdigest()
-            with write_in_flight():
-                storage.write_new(path, buf)
+        # nbytes walks every buffer (0.1 ms on a small table): asked of big tables only;
+        # write_hashed streams a big one to local disk and serializes the rest in memory
+        hint = table.nbytes if table.num_rows > 10_000 else 0
+        with write_in_flight():
+            size, sha = self.log.storage.write_hashed(path, fill, hint)
         crash_point("segment_written")
         return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
 
