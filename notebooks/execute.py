@@ -31,7 +31,7 @@ def execute(path: Path, *, timeout: int = 300) -> nbformat.NotebookNode:
 def main(names: list[str] | None = None) -> int:
     if "POIMEN_ROOT" not in os.environ:
         os.environ["POIMEN_ROOT"] = str(Path(tempfile.mkdtemp(prefix="poimen-nb-")) / "demo")
-        from pipelines import demo
+        from poimen_data.workload import demo
 
         demo.run(os.environ["POIMEN_ROOT"], quiet=True)
     for name in names or NOTEBOOKS:

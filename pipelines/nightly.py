@@ -16,27 +16,9 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
-from rich.table import Table
 
-from . import stages as st
-
-STYLE = {"ok": "green", "skipped": "yellow", "failed": "bold red"}
-
-
-def titled(title: str, **kw: object) -> Table:
-    """A table at least as wide as its title (rich would wrap a long title)."""
-    return Table(title=title, min_width=len(title) + 4, **kw)  # type: ignore[arg-type]
-
-
-def summary_table(results: Sequence[st.StageResult], title: str = "nightly") -> Table:
-    t = titled(title)
-    t.add_column("stage")
-    t.add_column("status")
-    t.add_column("seconds", justify="right")
-    t.add_column("what happened", overflow="fold")
-    for r in results:
-        t.add_row(r.name, f"[{STYLE[r.status]}]{r.status}[/]", f"{r.seconds:.2f}", r.detail)
-    return t
+from poimen_data.jobs import chain as st
+from poimen_data.jobs.chain import summary_table
 
 
 def _verifier(spec: str) -> object:

@@ -7,15 +7,7 @@ episode tables with DuckDB, grade frozen snapshots, and export training data.
 
 from __future__ import annotations
 
-from ._blobs import BlobStore, FsBlobStore
-from ._export import ExportProgress, ExportReport, export_live
-from ._fold import connect
-from ._grade import GradeReport, Verdict, VerifierCtx, grade
-from ._log import CommitInfo, EventLog, Transaction, open_log
-from ._maint import compact, reduce, vacuum
-from ._query import AttemptView, BranchView, EpisodeView, check, episode
-from ._state import materialize
-from .errors import (
+from poimen_data.errors import (
     CommitConflict,
     CorruptionError,
     LeaseHeld,
@@ -24,7 +16,15 @@ from .errors import (
     TenantMismatch,
     ValidationError,
 )
-from .events import BlobRef, ContextPartition, ToolInfo, Usage
+from poimen_data.fold._fold import connect
+from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, check, episode
+from poimen_data.fold._state import materialize
+from poimen_data.jobs._export import ExportProgress, ExportReport, export_live
+from poimen_data.jobs._grade import GradeReport, Verdict, VerifierCtx, grade
+from poimen_data.jobs._maint import compact, reduce, vacuum
+from poimen_data.log._blobs import BlobStore, FsBlobStore
+from poimen_data.log._log import CommitInfo, EventLog, Transaction, open_log
+from poimen_data.model._events import BlobRef, ContextPartition, ToolInfo, Usage
 
 __all__ = [
     "AttemptView",

@@ -2,8 +2,7 @@
 
 Every command opens the root from ``--root``, else ``$POIMEN_ROOT``, else
 ``./poimen-data`` (any fsspec URL), prints tables (``--json`` for scripts), and turns bad
-input into one line on stderr with a non-zero exit: 1 error, 2 usage, 3 not available yet.
-Library pieces are imported inside the commands, so one missing piece never breaks the rest.
+input into one line on stderr with a non-zero exit: 1 error, 2 usage.
 """
 
 from __future__ import annotations
@@ -19,8 +18,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipelines import stages as st
-from pipelines.nightly import titled
+import poimen_data as pdm
+from poimen_data.jobs import chain as st
+from poimen_data.jobs.chain import titled
 
 app = typer.Typer(
     name="poimen", no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
@@ -28,7 +28,7 @@ app = typer.Typer(
     help="Query, grade and export the runs of the poimen agent-workflow engine.\n\n"
          "Start with [bold]poimen demo[/], then [bold]poimen sql[/]. The log root comes "
          "from --root, else $POIMEN_ROOT, else ./poimen-data (a path or any fsspec URL). "
-         "Exit status: 0 ok, 1 error, 2 usage, 3 not available yet.")
+         "Exit status: 0 ok, 1 error, 2 usage.")
 out = Console(soft_wrap=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -58,7 +58,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Catch what bad input raises and print it as one line, never a traceback."""
     import duckdb
 
-    from .errors import PoimenError
+    from poimen_data.errors import PoimenError
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -67,9 +67,6 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except CliError as exc:
             err.print(f"error: {exc}", markup=False)
             raise typer.Exit(exc.code) from None
-        except st.NotYet as exc:
-            err.print(f"not available yet: {exc}", markup=False)
-            raise typer.Exit(3) from None
         except PoimenError as exc:
             err.print(f"error: {_one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
@@ -95,8 +92,6 @@ def command(name: str, example: str) -> Callable[[Callable[..., Any]], Callable[
 
 def open_root(root: str) -> Any:
     """Open an existing log; a missing one is an error that says how to make one."""
-    import poimen_data as pdm
-
     try:
         return pdm.open_log(root, create=False)
     except pdm.NotFound:
@@ -144,7 +139,7 @@ def demo(runs: Annotated[int, typer.Option(min=1, help="How many runs to record.
          root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Record a realistic synthetic workload, then materialize, check, grade and export,
     and print what it did and where to look. Replaces the root if it holds a log."""
-    from pipelines import demo as demo_mod
+    from poimen_data.workload import demo as demo_mod
 
     try:
         facts = demo_mod.run(root, runs=runs, seed=seed, batch=batch, console=out,
@@ -186,13 +181,11 @@ def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
 
 
 def _view_sql(name: str) -> str:
-    import importlib
+    from poimen_data.fold._fold import VIEW_SQL, view_sql
 
-    fold = importlib.import_module("poimen_data._fold")
-    views = getattr(fold, "VIEW_SQL", None)
-    if isinstance(views, dict) and name not in views:
-        fail(f"no view {name!r}; views are {', '.join(sorted(views))}")
-    return str(st.lookup("view_sql")(name))
+    if name not in VIEW_SQL:
+        fail(f"no view {name!r}; views are {', '.join(sorted(VIEW_SQL))}")
+    return view_sql(name)
 
 
 def _repl(con: Any, max_rows: int) -> None:
@@ -244,7 +237,7 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
         out.print(_view_sql(explain), highlight=False, markup=False)
         return
     log = open_root(root)
-    con = st.lookup("connect")(log, at_lsn=at_lsn)
+    con = pdm.connect(log, at_lsn=at_lsn)
     if query is None:
         _repl(con, max_rows)
     else:
@@ -269,11 +262,11 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
          at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """One episode: its branches and attempts with states, refs, usage and errors
     (bodies are never read; use `poimen sql` with blob_text for those)."""
-    from .events import check_run_id
+    from poimen_data.model._events import check_run_id
 
     check_run_id(run, "show")
     log = open_root(root)
-    view = st.lookup("episode")(log, run, all_branches=all_branches, at_lsn=at_lsn)
+    view = pdm.episode(log, run, all_branches=all_branches, at_lsn=at_lsn)
     if as_json:
         emit_json(view)
         return
@@ -306,8 +299,7 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
 def materialize(root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Refresh the materialized state (incremental: folds only the new commits)."""
     log = open_root(root)
-    covers = st.lookup("materialize")(log)
-    lsn = getattr(covers, "lsn", covers)
+    lsn = pdm.materialize(log)
     if as_json:
         emit_json({"covers_lsn": lsn, "head": log.head})
     else:
@@ -319,8 +311,6 @@ def check(root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Prove that the materialized state equals a cold re-fold of the log; exit 1 if not."""
     log = open_root(root)
     r = st.check(log)
-    if r.status == "skipped":
-        raise st.NotYet(r.detail.removesuffix(" (stage skipped)"))
     if as_json:
         emit_json(r)
     elif r.status == "ok":
@@ -372,7 +362,6 @@ def grade(verifier: Annotated[list[str] | None, typer.Option(
 
     vs = [load_verifier(s) for s in verifier] if verifier else st.default_verifiers()
     log = open_root(root)
-    fn = st.lookup("grade")
     executor = None
     if scheduler:
         from distributed import Client
@@ -380,7 +369,7 @@ def grade(verifier: Annotated[list[str] | None, typer.Option(
         executor = Client(scheduler)
     with Progress(console=err, transient=True, disable=as_json or not err.is_terminal) as p:
         task = p.add_task("grading", total=None)
-        r = fn(log, vs, runs=run or None, executor=executor, force=force,
+        r = pdm.grade(log, vs, runs=run or None, executor=executor, force=force,
                progress=lambda done, total: p.update(task, completed=done, total=total))
     if as_json:
         emit_json(r)
@@ -414,12 +403,11 @@ def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     log = open_root(root)
-    fn = st.lookup("export_live")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("runs, {task.fields[written]} written"), console=err,
                   transient=True, disable=as_json or not err.is_terminal) as p:
         task = p.add_task("exporting", total=None, written=decimal(0))
-        r = fn(log, dest, format=fmt, source=source, at_lsn=at_lsn, runs=run or None,
+        r = pdm.export_live(log, dest, format=fmt, source=source, at_lsn=at_lsn, runs=run or None,
                only_succeeded=only_succeeded,
                progress=lambda pr: p.update(task, completed=pr.runs_done, total=pr.runs_total,
                                             written=decimal(pr.bytes)))
@@ -439,8 +427,7 @@ def compact(target_rows: Annotated[int | None, typer.Option(
             root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Rewrite runs of small segments into large ones (same events, same LSNs)."""
     log = open_root(root)
-    fn = st.lookup("compact")
-    r = fn(log) if target_rows is None else fn(log, target_rows=target_rows)
+    r = pdm.compact(log) if target_rows is None else pdm.compact(log, target_rows=target_rows)
     emit_json(r) if as_json else out.print(kv_table("compact", r))
 
 
@@ -451,8 +438,7 @@ def vacuum(grace: Annotated[float | None, typer.Option(
            root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Remove uncommitted staging, unreferenced bodies and superseded segments."""
     log = open_root(root)
-    fn = st.lookup("vacuum")
-    r = fn(log) if grace is None else fn(log, grace=grace)
+    r = pdm.vacuum(log) if grace is None else pdm.vacuum(log, grace=grace)
     emit_json(r) if as_json else out.print(kv_table("vacuum", r))
 
 
@@ -474,7 +460,7 @@ def reduce(larger_than: Annotated[int | None, typer.Option(
            root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Replace large bodies by short summaries (a blob_reduced event each); readers then
     see the summary, and the original bytes are deleted."""
-    from .events import BlobRef, check_ref
+    from poimen_data.model._events import BlobRef, check_ref
 
     if larger_than is None and not ref:
         fail("say what to reduce: --larger-than BYTES or --ref TENANT/SHA256/SIZE")
@@ -499,7 +485,7 @@ def reduce(larger_than: Annotated[int | None, typer.Option(
             f"{'would reduce' if dry_run else 'nothing to reduce:'} {len(todo)} bodies, "
             f"{data['bytes']:,} bytes")
         return
-    r = st.lookup("reduce")(log, todo, _summarize(keep))
+    r = pdm.reduce(log, todo, _summarize(keep))
     if as_json:
         emit_json(r)
     else:
@@ -545,10 +531,8 @@ def bench(quick: Annotated[bool, typer.Option(help="Small sizes: under a minute.
           work_dir: Annotated[str | None, typer.Option(
               help="Make the scratch directory here (the disk to measure).")] = None) -> None:
     """Measure every speed goal against a reference timed in the same run (ratios)."""
-    try:
-        from . import _bench
-    except ImportError:
-        raise st.NotYet("poimen bench is not available yet") from None
+    from poimen_data.bench import _runner as _bench
+
     if only is not None:
         try:
             _bench.select(only)

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from . import events as ev
+from poimen_data.model import _events as ev
 
 if TYPE_CHECKING:
-    from ._blobs import BlobStore
-    from ._log import EventLog
+    from poimen_data.log._blobs import BlobStore
+    from poimen_data.log._log import EventLog
 
 
 class CountingBlobStore:

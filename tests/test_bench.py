@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from poimen_data import _bench
-from poimen_data._bench import Result, run, run_cli, scenario_names, write_json
+from poimen_data.bench import _runner as _bench
+from poimen_data.bench._runner import Result, run, run_cli, scenario_names, write_json
 
 RESULT_KEYS = {"name", "title", "status", "goal", "ours", "reference", "ratio", "unit",
                "ref_unit", "ours_text", "reference_text", "ratio_text", "met", "note",
@@ -96,12 +96,3 @@ def test_run_cli_one_scenario_prints_and_writes_json(tmp_path: Path,
 def test_run_cli_unknown_scenario_is_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(True, None, "no-such-thing", None) == 2
     assert "no scenario" in capsys.readouterr().out
-
-
-def test_missing_module_reports_not_built_yet(monkeypatch: pytest.MonkeyPatch) -> None:
-    scenario = _bench.select("export")[0]
-    fake = _bench.Scenario(scenario.name, scenario.title, scenario.goal, scenario.fn,
-                           ("poimen_data._not_there:export_live",))
-    monkeypatch.setattr(_bench, "select", lambda only: [fake])
-    (r,) = _bench.run(quick=True, only="export")
-    assert r.status == "n/a" and r.ours is None and r.note.startswith("n/a: not built yet")

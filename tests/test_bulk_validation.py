@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from poimen_data import events as ev
 from poimen_data import synth
-from poimen_data._arrow import _PY_REGEX_LIMIT
+from poimen_data.model._arrow import _PY_REGEX_LIMIT
 
 SHA = "ab" * 32
 
@@ -198,7 +198,7 @@ def test_big_table_is_checked_while_its_segment_is_written(tmp_path) -> None:
     segment write: its fault is raised by the commit, which leaves nothing behind; a good
     one lands with a segment whose streamed sha256 matches the file."""
     from poimen_data import open_log
-    from poimen_data._txn import BACKGROUND_CHECK_ROWS
+    from poimen_data.log._txn import BACKGROUND_CHECK_ROWS
 
     n = BACKGROUND_CHECK_ROWS + 10_000
     good = synth.events_table(n, seed=2)

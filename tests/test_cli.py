@@ -91,7 +91,7 @@ def test_sql_tables_json_and_a_prompt_on_stdin(demo_root) -> None:
 
 
 def test_sql_explain_prints_the_view_sql(demo_root) -> None:
-    from poimen_data import _fold
+    from poimen_data.fold import _fold
 
     r = poimen("sql", "--explain", "trajectories")
     assert r.exit_code == 0 and r.stdout.strip() == _fold.view_sql("trajectories").strip()
@@ -281,7 +281,7 @@ def test_console_script_prints_no_traceback(demo_root) -> None:
 
 
 def test_the_three_suggested_queries_run(demo_root) -> None:
-    from pipelines.demo import QUERIES
+    from poimen_data.workload.demo import QUERIES
 
     root, _ = demo_root
     for _title, q in QUERIES:

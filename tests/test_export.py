@@ -370,7 +370,7 @@ def test_a_failed_export_leaves_no_partial_file(tmp_path: Path, backend: str,
         folder = f"s3://poimen-test/{uuid.uuid4().hex}"
     fs, base = fsspec.core.url_to_fs(folder, **(opts or {}))
     dest = f"{folder}/live.jsonl"
-    first = export_live(log, dest, storage_options=opts)
+    first = export_live(log, dest, dest_options=opts)
     assert first.records == 20
     published = fs.cat_file(f"{base}/live.jsonl")
     assert hashlib.sha256(published).hexdigest() == first.sha256
@@ -381,7 +381,7 @@ def test_a_failed_export_leaves_no_partial_file(tmp_path: Path, backend: str,
     os.unlink(tmp_path / "log" / "blobs" / T / last["sha256"][:2] / last["sha256"])
     seen: list[ExportProgress] = []
     with pytest.raises(pdm.NotFound):
-        export_live(log, dest, storage_options=opts, batch_size=16 << 10,
+        export_live(log, dest, dest_options=opts, batch_size=16 << 10,
                     progress=seen.append)
     assert seen and seen[-1].records >= 10  # batches were written before the failure
     fs.invalidate_cache()
@@ -394,8 +394,8 @@ def test_bodies_of_every_size_are_encoded_exactly(tmp_path: Path) -> None:
     fetched in groups shared across rows. Either way each line is exactly the canonical
     encoding of the expected record. (Speed is measured by ``poimen bench --only export``,
     not by a timed test.)"""
-    from poimen_data import _export
-    from poimen_data import _export_formats as fmts
+    from poimen_data.jobs import _export
+    from poimen_data.jobs import _export_formats as fmts
 
     chunk, one_call = fmts._CHUNK, fmts._ONE_CALL
     # non-ASCII and escapes straddling the chunk boundaries, invalid UTF-8, a body

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pytest
 
 import poimen_data as pdm
-from poimen_data import _fold
 from poimen_data import events as ev
+from poimen_data.fold import _fold
 from poimen_data.testing import CountingBlobStore as CountingBlobs
 
 GOLDEN = Path(__file__).parent / "data" / "golden"

@@ -24,8 +24,8 @@ import pyarrow as pa
 
 import poimen_data as pdm
 from poimen_data import events as ev
-from poimen_data._fold import VIEWS, fold_tables
-from poimen_data._state import read_pointer
+from poimen_data.fold._fold import VIEWS, fold_tables
+from poimen_data.fold._state import read_pointer
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 TENANTS = ("acme", "globex", "initech")

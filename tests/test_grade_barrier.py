@@ -19,8 +19,8 @@ import pytest
 
 import poimen_data as pdm
 from poimen_data import events as E
-from poimen_data._grade import Verdict, VerifierCtx, grade
-from poimen_data._query import episode
+from poimen_data.fold._query import episode
+from poimen_data.jobs._grade import Verdict, VerifierCtx, grade
 from poimen_data.testing import record_run
 
 WAIT_S = 60  # a bound for a broken rendezvous, never a delay on the happy path

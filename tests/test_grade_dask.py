@@ -10,7 +10,7 @@ import pytest
 
 import poimen_data as pdm
 from poimen_data import events as E
-from poimen_data._grade import grade
+from poimen_data.jobs._grade import grade
 from poimen_data.testing import record_run
 from poimen_data.verifiers import exit_code, output_mentions
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import poimen_data as pdm
-from poimen_data._grade import Verdict, VerifierCtx, grade
+from poimen_data.jobs._grade import Verdict, VerifierCtx, grade
 from poimen_data.testing import CountingBlobStore, record_run
 from poimen_data.verifiers import exit_code, output_mentions
 

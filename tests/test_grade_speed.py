@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import poimen_data as pdm
-from poimen_data._grade import VerifierCounts, grade
+from poimen_data.jobs._grade import VerifierCounts, grade
 from poimen_data.testing import bulk_runs
 from poimen_data.verifiers import exit_code
 

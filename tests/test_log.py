@@ -12,7 +12,7 @@ from conftest import Root, snapshot_files
 
 import poimen_data as pdm
 from poimen_data import events as E
-from poimen_data._manifest import blob_path, manifest_path
+from poimen_data.log._manifest import blob_path, manifest_path
 
 TS = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 

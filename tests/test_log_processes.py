@@ -19,7 +19,7 @@ from conftest import Root
 
 import poimen_data as pdm
 from poimen_data import events as E
-from poimen_data._manifest import blob_path
+from poimen_data.log._manifest import blob_path
 
 CHILD = str(Path(__file__).with_name("child_writer.py"))
 WRITE_POINTS = ["blob_staged", "segment_written", "manifest_published", "blobs_promoted"]

@@ -17,8 +17,8 @@ from test_log_processes import CHILD, _assert_consistent, _env
 import poimen_data as pdm
 from poimen_data import events as E
 from poimen_data import synth
-from poimen_data._maint import lease
-from poimen_data._manifest import blob_path
+from poimen_data.jobs._maint import lease
+from poimen_data.log._manifest import blob_path
 
 
 def _digest(t: pa.Table) -> str:

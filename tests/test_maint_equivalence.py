@@ -11,8 +11,8 @@ from conftest import Root
 
 import poimen_data as pdm
 from poimen_data import synth
-from poimen_data._fold import VIEWS, fold_tables
-from poimen_data._state import parquet_bytes
+from poimen_data.fold._fold import VIEWS, fold_tables
+from poimen_data.fold._state import parquet_bytes
 
 
 def _digests(log: pdm.EventLog, at_lsn: int | None = None) -> dict[str, str]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 import duckdb
@@ -18,9 +19,9 @@ from hypothesis import strategies as st
 from test_query import attempt, commit, harness
 
 import poimen_data as pdm
-from poimen_data import _fold, _state
 from poimen_data import events as ev
-from poimen_data._manifest import dumps
+from poimen_data.fold import _fold, _state
+from poimen_data.log._manifest import dumps
 
 T = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -268,7 +269,7 @@ def history(ops: list[tuple]) -> list[tuple[ev.Event, bool, bool]]:
         elif code in (3, 4):
             state = ("succeeded", "failed", "timed_out", "cancelled")[(n + s) % 4]
             e = ev.AttemptFinished("acme", run, b if code == 3 else 0, STEPS[s], n, state,
-                                   usage=ev.Usage(cost_usd=ev.Decimal(n) / 1000), ts=T)
+                                   usage=ev.Usage(cost_usd=Decimal(n) / 1000), ts=T)
         elif code == 5:
             e = ev.AttemptRecovered("acme", run, b, STEPS[s], n, "failed", ts=T)
         elif code == 6:

@@ -32,7 +32,7 @@ def _text(nb: nbformat.NotebookNode) -> str:
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pipelines import demo
+    from poimen_data.workload import demo
 
     root = str(tmp_path_factory.mktemp("nb") / "demo")
     demo.run(root, runs=120, seed=5, quiet=True)

@@ -11,9 +11,9 @@ import orjson
 import pytest
 
 import poimen_data as pdm
-from poimen_data import _state
 from poimen_data import events as ev
-from poimen_data._manifest import dumps
+from poimen_data.fold import _fold, _state
+from poimen_data.log._manifest import dumps
 from poimen_data.testing import CountingBlobStore as CountingBlobs
 
 TS = "2026-03-01T12:00:00+00:00"
@@ -238,7 +238,7 @@ def test_a_state_of_another_fold_version_is_never_served(log: pdm.EventLog) -> N
         pdm.episode(log, "h-1", source="state")
     assert pdm.episode(log, "h-1") == pdm.episode(log, "h-1", source="log")
     assert pdm.materialize(log) == log.head  # rebuilt, not served
-    assert _state.read_pointer(log).fold_version == pdm._fold.FOLD_VERSION
+    assert _state.read_pointer(log).fold_version == _fold.FOLD_VERSION
     assert pdm.episode(log, "h-1", source="state") == pdm.episode(log, "h-1", source="log")
 
 
@@ -332,7 +332,7 @@ def test_views_built_column_wise_equal_the_row_wise_conversion() -> None:
     tables: each attempt equals (``==`` and ``repr``) the per-row conversion."""
     import pyarrow as pa
 
-    from poimen_data._query import episodes_from_tables
+    from poimen_data.fold._query import episodes_from_tables
 
     usage = {"input_tokens": 5, "output_tokens": None, "cache_read_input_tokens": 0,
              "reasoning_tokens": None, "cost_usd": Decimal("0.1"), "latency_ms": 0.0}

@@ -15,7 +15,7 @@ import pyarrow as pa
 import poimen_data as pdm
 from poimen_data import events as E
 from poimen_data import synth
-from poimen_data._txn import BACKGROUND_CHECK_ROWS, MAX_IO_IN_FLIGHT
+from poimen_data.log._txn import BACKGROUND_CHECK_ROWS, MAX_IO_IN_FLIGHT
 
 TS = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 

@@ -28,11 +28,11 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from . import events as ev
-from ._log import EventLog
-from ._manifest import Manifest, SegmentInfo, blob_path
-from ._txn import _now_iso
-from .errors import CorruptionError, LeaseHeld, NotFound, ValidationError
+from poimen_data.errors import CorruptionError, LeaseHeld, NotFound, ValidationError
+from poimen_data.log._log import EventLog, LogLike, as_log
+from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
+from poimen_data.log._txn import _now_iso
+from poimen_data.model import _events as ev
 
 LEASE = "_lease.json"
 _logger = logging.getLogger("poimen_data")
@@ -172,13 +172,16 @@ class ReduceReport:
 
 
 def reduce(
-    log: EventLog,
+    log: LogLike,
     refs: Iterable[ev.BlobRef],
     summarize: Callable[[bytes], bytes | str],
+    *,
+    storage_options: dict[str, Any] | None = None,
 ) -> ReduceReport:
     """Replace bodies by summaries: one commit of ``blob_reduced`` events (with the
     summaries as blobs), then delete the originals. ``get`` of an original returns None
     from then on."""
+    log = as_log(log, storage_options=storage_options)
     refs = list(dict.fromkeys(refs))
     for r in refs:
         ev.check_ref(r, "reduce")
@@ -239,8 +242,8 @@ class VacuumReport:
     temp_files_removed: int = 0  # temp files a writer died with under _log/
 
 
-def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
-           retention: float | None = None) -> VacuumReport:
+def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
+           grace: float = DEFAULT_GRACE_S, retention: float | None = None) -> VacuumReport:
     """Remove what no retained manifest reaches, once older than ``grace`` seconds.
 
     - staging of commits that never published (a crash, an abort) is removed; staging of
@@ -253,6 +256,7 @@ def vacuum(log: EventLog, grace: float = DEFAULT_GRACE_S, *,
     - temp files under ``_log/`` that a writer died with (before its link or rename).
     ``grace=0`` removes all of that at once: safe only when no other writer is active.
     """
+    log = as_log(log, storage_options=storage_options)
     retention = grace if retention is None else retention
     st = log.storage
     now = time.time()
@@ -357,7 +361,7 @@ def _vacuum_state(log: EventLog, files: list[str], old_enough: Callable[[str], b
     """Remove materialized-state files that neither the pointer nor the generation it
     replaced names (a materialize that crashed before publishing leaves such files).
     Nothing is removed when the pointer cannot be read."""
-    from ._state import POINTER, read_pointer
+    from poimen_data.fold._state import POINTER, read_pointer
 
     try:
         ptr = read_pointer(log)
@@ -389,14 +393,15 @@ class CompactReport:
     seq: int | None
 
 
-def compact(log: EventLog, *, target_rows: int = COMPACT_TARGET_ROWS,
-            min_rows: int | None = None) -> CompactReport:
+def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
+            target_rows: int = COMPACT_TARGET_ROWS, min_rows: int | None = None) -> CompactReport:
     """Rewrite runs of small consecutive segments into segments of about ``target_rows``.
 
     Events, LSNs and seqs are unchanged (compacted segments store ``lsn`` and ``seq``);
     one manifest of kind ``compact`` adds the new files and supersedes the old ones, so
     readers skip them. A checkpoint follows, so opening stays flat.
     """
+    log = as_log(log, storage_options=storage_options)
     small = target_rows // 2 if min_rows is None else min_rows
     with lease(log) as held:
         log.refresh()

@@ -23,7 +23,7 @@ import fsspec
 import fsspec.asyn
 import pyarrow as pa
 
-from .errors import NotFound, PoimenError
+from poimen_data.errors import NotFound, PoimenError
 
 _MEMORY_LOCK = threading.Lock()
 PARALLEL_HASH_BYTES = 4 << 20  # below this, a thread costs more than the hash it overlaps

@@ -14,19 +14,25 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._blobs import BlobStore
-from ._grade import Verdict, Verifier, VerifierCtx, _Result, _Task
-from .errors import NotFound
+from poimen_data.errors import NotFound
+from poimen_data.jobs._grade_types import (
+    GradeResult,
+    GradeTask,
+    Verdict,
+    Verifier,
+    VerifierCtx,
+)
+from poimen_data.log._blobs import BlobStore
 
 if TYPE_CHECKING:
-    from ._log import EventLog
-    from ._query import EpisodeView
+    from poimen_data.fold._query import EpisodeView
+    from poimen_data.log._log import EventLog
 
 
 # --- snapshots -------------------------------------------------------------------------
 
 
-def _snapshots(log: EventLog, tasks: Sequence[_Task]) -> dict[str, EpisodeView]:
+def _snapshots(log: EventLog, tasks: Sequence[GradeTask]) -> dict[str, EpisodeView]:
     """Every task's episode, all branches, each at its own snapshot LSN, from one fold.
 
     Every fold rule looks at one run's events only, so folding the events of all these
@@ -39,8 +45,8 @@ def _snapshots(log: EventLog, tasks: Sequence[_Task]) -> dict[str, EpisodeView]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from ._fold import fold_tables
-    from ._query import EPISODE_TABLES, episodes_from_tables
+    from poimen_data.fold._fold import fold_tables
+    from poimen_data.fold._query import EPISODE_TABLES, episodes_from_tables
 
     cut = {t.run_id: t.snapshot_lsn for t in tasks}
     events = log.read_events(at_lsn=max(cut.values()))
@@ -81,9 +87,9 @@ def _call(v: Verifier, ctx: VerifierCtx) -> tuple[bool, float | None, str | None
     return out.passed, score, detail, False
 
 
-def _run_local(tasks: Sequence[_Task], snaps: dict[str, EpisodeView],
+def _run_local(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
                verifiers: Sequence[Verifier], blobs: BlobStore, limits: Sequence[float],
-               threads: int) -> Iterator[_Result]:
+               threads: int) -> Iterator[GradeResult]:
     """Yield a result per (run, verifier) as it completes, on a pool of daemon threads.
 
     A verifier past its deadline is answered with an error verdict at once and left
@@ -151,25 +157,25 @@ def _run_local(tasks: Sequence[_Task], snaps: dict[str, EpisodeView],
             todo.put(None)
 
 
-def _result(t: _Task, i: int, snaps: dict[str, EpisodeView],
-            r: tuple[bool, float | None, str | None, bool]) -> _Result:
+def _result(t: GradeTask, i: int, snaps: dict[str, EpisodeView],
+            r: tuple[bool, float | None, str | None, bool]) -> GradeResult:
     return (t.run_id, i, int(snaps[t.run_id].live_branch), *r)
 
 
 # --- Dask ------------------------------------------------------------------------------
 
 
-def _is_dask_client(executor: Any) -> bool:
+def is_dask_client(executor: Any) -> bool:
     return any(c.__module__.startswith("distributed") and c.__name__ == "Client"
                for c in type(executor).__mro__)
 
 
-def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[_Task],
+def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[GradeTask],
                  verifiers: Sequence[Verifier], limits: Sequence[float],
-                 threads: int) -> tuple[list[_Result], float]:
+                 threads: int) -> tuple[list[GradeResult], float]:
     """Dask task: open the log read-only, build the chunk's snapshots here at their
     snapshot LSNs (so no episode crosses the network), grade, return the results."""
-    from ._log import open_log
+    from poimen_data.log._log import open_log
 
     log = open_log(root, storage_options or None, create=False, read_only=True)
     t0 = time.perf_counter()
@@ -178,9 +184,9 @@ def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[_Ta
     return list(_run_local(tasks, snaps, verifiers, log.blobs, limits, threads)), snap_s
 
 
-def _run_dask(client: Any, log: EventLog, tasks: Sequence[_Task],
+def run_dask(client: Any, log: EventLog, tasks: Sequence[GradeTask],
               verifiers: Sequence[Verifier], limits: Sequence[float], threads: int,
-              chunk: int, snap_s: list[float]) -> Iterator[_Result]:
+              chunk: int, snap_s: list[float]) -> Iterator[GradeResult]:
     """Yield results chunk by chunk as workers finish; the driver alone commits."""
     from distributed import as_completed
 
@@ -199,9 +205,9 @@ def _run_dask(client: Any, log: EventLog, tasks: Sequence[_Task],
         client.cancel(futures)
 
 
-def _run_here(log: EventLog, tasks: Sequence[_Task], verifiers: Sequence[Verifier],
+def run_here(log: EventLog, tasks: Sequence[GradeTask], verifiers: Sequence[Verifier],
               blobs: BlobStore, limits: Sequence[float], threads: int, chunk: int,
-              snap_s: list[float]) -> Iterator[_Result]:
+              snap_s: list[float]) -> Iterator[GradeResult]:
     """In-process: ``chunk`` runs at a time, so memory holds one chunk of snapshots."""
     for lo in range(0, len(tasks), chunk):
         part = tasks[lo:lo + chunk]

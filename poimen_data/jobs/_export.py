@@ -60,11 +60,11 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import _fold, _state
-from ._export_formats import SLOTS, VERDICT_TYPE, WRITERS, Bodies, Sink
-from ._log import EventLog
-from .errors import NotFound, ValidationError
-from .events import BlobRef
+from poimen_data.errors import NotFound, ValidationError
+from poimen_data.fold import _fold, _state
+from poimen_data.jobs._export_formats import SLOTS, VERDICT_TYPE, WRITERS, Bodies, Sink
+from poimen_data.log._log import EventLog, LogLike, as_log
+from poimen_data.model._events import BlobRef
 
 FORMATS = tuple(WRITERS)
 SOURCES = ("auto", "state", "log")
@@ -147,9 +147,11 @@ ORDER BY run_id, pos
 
 
 def export_live(
-    log: EventLog,
+    log: LogLike,
     dest: str | os.PathLike[str],
     *,
+    storage_options: dict[str, Any] | None = None,
+    dest_options: dict[str, Any] | None = None,
     format: str = "jsonl",
     source: str = "auto",
     at_lsn: int | None = None,
@@ -158,7 +160,6 @@ def export_live(
     batch_size: int = DEFAULT_BATCH_BYTES,
     max_workers: int = 8,
     progress: Callable[[ExportProgress], None] | None = None,
-    storage_options: dict[str, Any] | None = None,
 ) -> ExportReport:
     """Export the live trajectory of each run (or of ``runs``) to ``dest`` (any fsspec URL).
 
@@ -171,6 +172,7 @@ def export_live(
     ``"state"``, ``"state+log"`` or ``"log"``; the bytes are the same whichever it is.
     ``max_workers`` bounds the pool that reads bodies. Unknown ``runs`` raise ``NotFound``.
     """
+    log = as_log(log, storage_options=storage_options)
     if format not in FORMATS:
         raise ValidationError(f"export: format must be one of {FORMATS}, got {format!r}")
     if source not in SOURCES:
@@ -206,7 +208,7 @@ def export_live(
                 if progress is not None:
                     progress(ExportProgress(runs_done, total, records, out.bytes))
 
-            with Sink(os.fspath(dest), storage_options) as out:
+            with Sink(os.fspath(dest), dest_options) as out:
                 writer = WRITERS[format](out, lsn)
                 stats = _pump(reader, writer, fetcher, SLOTS[format], batch_size, report)
                 writer.close()

@@ -22,10 +22,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import events as ev
-from ._blobs import FsBlobStore
-from ._faults import crash_point
-from ._manifest import (
+from poimen_data.errors import (
+    CommitConflict,
+    CorruptionError,
+    NotFound,
+    PoimenError,
+    ValidationError,
+)
+from poimen_data.log._blobs import FsBlobStore
+from poimen_data.log._faults import crash_point
+from poimen_data.log._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     POINTER,
@@ -37,9 +43,9 @@ from ._manifest import (
     loads,
     manifest_path,
 )
-from ._storage import BackgroundPool, Storage
-from ._txn import BlobKey, CommitInfo, Transaction, _now_iso
-from .errors import CommitConflict, CorruptionError, NotFound, PoimenError, ValidationError
+from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, _now_iso
+from poimen_data.model import _events as ev
+from poimen_data.storage._storage import BackgroundPool, Storage
 
 DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
@@ -617,6 +623,24 @@ def open_log(
         raw = storage.read("_poimen.json")
     config = loads(raw, storage.url_of("_poimen.json"))
     return EventLog(storage, config, read_only=read_only)
+
+
+#: What every entry point takes as its log: an open ``EventLog``, or a root to open.
+LogLike = EventLog | str | os.PathLike[str]
+
+
+def as_log(log: LogLike, *, storage_options: dict[str, Any] | None = None,
+           read_only: bool = False) -> EventLog:
+    """The calling convention of every entry point: an open ``EventLog`` is used as it is
+    (``storage_options`` must then be None); a root (path or fsspec URL) is opened, never
+    created, with ``storage_options`` (credentials, endpoint) passed to fsspec."""
+    if isinstance(log, EventLog):
+        if storage_options:
+            raise TypeError("storage_options apply to a root URL, not to an open EventLog")
+        return log
+    if not isinstance(log, str | os.PathLike):
+        raise TypeError(f"expected an EventLog or a root URL, got {type(log).__name__}")
+    return open_log(log, storage_options, create=False, read_only=read_only)
 
 
 def commit_events(log: EventLog, events: Sequence[ev.Event]) -> CommitInfo:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import html
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -22,12 +21,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import _state
-from ._fold import FOLD_VERSION, _as_log, fold_tables, run_events
-from ._log import EventLog
-from ._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
-from .errors import CorruptionError, NotFound, ValidationError
-from .events import COST_QUANTUM, BlobRef, ContextPartition, ToolInfo, Usage, check_run_id
+from poimen_data.errors import CorruptionError, NotFound, ValidationError
+from poimen_data.fold import _state
+from poimen_data.fold._fold import FOLD_VERSION, fold_tables, run_events
+from poimen_data.fold._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
+from poimen_data.log._log import EventLog, LogLike, as_log
+from poimen_data.model._events import (
+    COST_QUANTUM,
+    BlobRef,
+    ContextPartition,
+    ToolInfo,
+    Usage,
+    check_run_id,
+)
 
 SOURCES = ("auto", "state", "log")
 #: Attempt states that count as failures (as ``runs.n_failed_attempts`` counts them).
@@ -395,9 +401,10 @@ def resolve_lsn(log: EventLog, at_lsn: int | None) -> int:
 
 
 def episode(
-    log: EventLog | str | os.PathLike[str],
+    log: LogLike,
     run_id: str,
     *,
+    storage_options: dict[str, Any] | None = None,
     all_branches: bool = False,
     at_lsn: int | None = None,
     source: str = "auto",
@@ -412,7 +419,7 @@ def episode(
     if source not in SOURCES:
         raise ValidationError(f"source must be one of {SOURCES}, got {source!r}")
     check_run_id(run_id, "episode")
-    log = _as_log(log, None)
+    log = as_log(log, storage_options=storage_options)
     lsn = resolve_lsn(log, at_lsn)
     if source == "log":
         return fold_episode(log, run_id, at_lsn=lsn, all_branches=all_branches)
@@ -460,10 +467,11 @@ def _episode_digests(tables_by_chunk: dict[int, dict[str, pa.Table]],
     return out
 
 
-def check(log: EventLog | str, *, episodes: bool = True) -> CheckReport:
+def check(log: LogLike, *, storage_options: dict[str, Any] | None = None,
+          episodes: bool = True) -> CheckReport:
     """Re-fold the log at the state's LSN, cold, and compare every file (by sha256, then
     row by row to name the first difference) and every episode (by digest)."""
-    log = _as_log(log, None)
+    log = as_log(log, storage_options=storage_options)
     try:
         ptr = _state.read_pointer(log)
     except CorruptionError as exc:

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from .errors import CorruptionError
+from poimen_data.errors import CorruptionError
 
 FORMAT_NAME = "poimen-log"
 FORMAT_VERSION = 1

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ._manifest import blob_path
-from .errors import CorruptionError, NotFound
-from .events import BlobRef, check_ref
+from poimen_data.errors import CorruptionError, NotFound
+from poimen_data.log._manifest import blob_path
+from poimen_data.model._events import BlobRef, check_ref
 
 if TYPE_CHECKING:
-    from ._log import EventLog
+    from poimen_data.log._log import EventLog
 
 
 @runtime_checkable

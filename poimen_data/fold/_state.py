@@ -27,22 +27,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import events as ev
-from ._faults import crash_point
-from ._fold import (
+from poimen_data.errors import CorruptionError
+from poimen_data.fold._fold import (
     FOLD_VERSION,
     PER_RUN_TABLES,
     TABLE_KEYS,
     VIEWS,
-    _as_log,
     create_fold_tables,
     fold_tables,
     new_connection,
     run_events,
 )
-from ._log import EventLog
-from ._manifest import FORMAT_NAME, FORMAT_VERSION, dumps, loads
-from .errors import CorruptionError
+from poimen_data.log._faults import crash_point
+from poimen_data.log._log import EventLog, LogLike, as_log
+from poimen_data.log._manifest import FORMAT_NAME, FORMAT_VERSION, dumps, loads
+from poimen_data.model import _events as ev
 
 POINTER = "state/_current.json"
 INDEX = "run_index"
@@ -375,14 +374,15 @@ def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None) -> Pointer
     return ptr
 
 
-def materialize(log: EventLog | str, *, full: bool = False) -> int:
+def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
+                full: bool = False) -> int:
     """Bring ``state/`` up to the head and return the LSN it covers.
 
     Incremental when a usable state exists: only the runs touched since are folded again
     (their whole history: every fold rule is per run) and only their chunks rewritten.
     ``full=True`` (or a state made by another fold version or settings) rebuilds.
     """
-    log = _as_log(log, None)
+    log = as_log(log, storage_options=storage_options)
     lsn = log.head
     old = None
     try:

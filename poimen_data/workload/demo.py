@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import stages as st
-from .nightly import summary_table, titled
+from poimen_data.jobs import chain as st
+from poimen_data.jobs.chain import summary_table, titled
 
 QUERIES = (
     ("Which steps fail most, by workflow version?",

@@ -13,118 +13,33 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import events as ev
-from ._blobs import BlobStore
-from .errors import NotFound, ValidationError
-
-if TYPE_CHECKING:
-    from ._log import EventLog
-    from ._query import EpisodeView
-
-Verifier = Callable[["VerifierCtx"], "Verdict"]
-DEFAULT_DEADLINE_S = 60.0
-DEFAULT_BATCH = 1_000
-DEFAULT_CHUNK = 5_000
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """What a verifier returns; ``detail`` is free text for people reading verdicts."""
-
-    passed: bool
-    score: float | None = None
-    detail: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class VerifierCtx:
-    """Everything a verifier may look at. ``episode`` is frozen at ``snapshot_lsn`` and
-    holds refs only; ``blobs.get`` fetches a body on demand (None once reduced).
-    ``deadline`` is a ``time.monotonic()`` value: past it, the verdict is an error.
-    ``step``/``attempt`` name the attempt under review when a verifier grades one; they
-    are None when it grades the whole run (all ``grade`` does today)."""
-
-    run: str
-    step: str | None
-    attempt: int | None
-    episode: EpisodeView
-    snapshot_lsn: int
-    blobs: BlobStore
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True)
-class VerifierCounts:
-    verifier: str
-    graded: int
-    skipped: int
-    passed: int
-    failed: int
-    errored: int
-
-
-@dataclass(frozen=True, slots=True)
-class GradeFailure:
-    run_id: str
-    verifier: str
-    snapshot_lsn: int
-    errored: bool
-    detail: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class GradeReport:
-    """What one ``grade`` call did. Run counts: a run is *graded* when at least one
-    verdict was recorded for it, *skipped* otherwise (all verdicts already there, or it
-    never entered verifying); a graded run is *errored* if any of its new verdicts is an
-    error, else *failed* if any failed, else *passed*."""
-
-    head_lsn: int
-    runs_graded: int
-    runs_skipped: int
-    runs_passed: int
-    runs_failed: int
-    runs_errored: int
-    verdicts_recorded: int
-    commits: int
-    per_verifier: tuple[VerifierCounts, ...]
-    failures: tuple[GradeFailure, ...]
-    wall_s: float
-    runs_per_s: float  # runs graded / wall_s
-    snapshot_s: float  # building snapshots (summed over Dask workers)
-    executor: str  # "threads" | "dask"
-
-
-def identity(v: Verifier) -> str:
-    """``name@version`` of a verifier: what ``verdicts.verifier`` records."""
-    name = getattr(v, "name", None) or getattr(v, "__name__", None)
-    if name is None:
-        raise ValidationError(f"verifier {v!r} has neither a name nor a __name__")
-    return f"{name}@{getattr(v, 'version', '0')}"
-
-
-@dataclass(frozen=True, slots=True)
-class _Task:
-    """One run to grade: its snapshot LSN and the indices of the verifiers still owed."""
-
-    run_id: str
-    tenant: str
-    snapshot_lsn: int
-    todo: tuple[int, ...]
-
-
-# A graded pair: (run_id, verifier index, branch_id, passed, score, detail, errored).
-_Result = tuple[str, int, int, bool, float | None, str | None, bool]
-
+from poimen_data.errors import NotFound, ValidationError
+from poimen_data.jobs._grade_exec import is_dask_client, run_dask, run_here
+from poimen_data.jobs._grade_types import (
+    DEFAULT_BATCH,
+    DEFAULT_CHUNK,
+    DEFAULT_DEADLINE_S,
+    GradeFailure,
+    GradeReport,
+    GradeResult,
+    GradeTask,
+    Verdict,
+    Verifier,
+    VerifierCounts,
+    VerifierCtx,
+    identity,
+)
+from poimen_data.log._blobs import BlobStore
+from poimen_data.log._log import EventLog, LogLike, as_log
+from poimen_data.model import _events as ev
 
 # --- planning: which runs, which verifiers -----------------------------------------
 
 
 def _plan(log: EventLog, head: int, ids: Sequence[str], runs: Iterable[str] | None,
-          force: bool) -> tuple[list[_Task], int]:
+          force: bool) -> tuple[list[GradeTask], int]:
     """Runs to grade with their verifiers still owed, and how many runs were considered.
 
     One query over the ``runs`` view finds them all (never one per run); one more over
@@ -132,7 +47,7 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], runs: Iterable[str] | No
     """
     import pyarrow as pa
 
-    from ._fold import connect
+    from poimen_data.fold._fold import connect
 
     con = connect(log, at_lsn=head)
     try:
@@ -172,7 +87,7 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], runs: Iterable[str] | No
     for run_id, tenant, lsn in rows:
         todo = tuple(i for i, name in enumerate(ids) if (run_id, name, lsn) not in done)
         if todo:
-            tasks.append(_Task(run_id, tenant, int(lsn), todo))
+            tasks.append(GradeTask(run_id, tenant, int(lsn), todo))
     return tasks, (asked if runs is not None else len(rows))
 
 
@@ -183,18 +98,18 @@ class _Recorder:
     """Commits verdicts ``batch`` at a time (one transaction per batch) and keeps the
     counts for the report."""
 
-    def __init__(self, log: EventLog, ids: Sequence[str], tasks: Sequence[_Task],
+    def __init__(self, log: EventLog, ids: Sequence[str], tasks: Sequence[GradeTask],
                  batch: int) -> None:
         self.log, self.ids, self.batch = log, ids, batch
         self.tasks = {t.run_id: t for t in tasks}
-        self.rows: list[_Result] = []
+        self.rows: list[GradeResult] = []
         self.commits = 0
         self.recorded = 0
         self.counts = {i: [0, 0, 0, 0] for i in range(len(ids))}  # graded/pass/fail/error
         self.run_status: dict[str, int] = {}  # 0 passed, 1 failed, 2 errored
         self.failures: list[GradeFailure] = []
 
-    def add(self, r: _Result) -> None:
+    def add(self, r: GradeResult) -> None:
         run_id, i, _branch, passed, _score, detail, errored = r
         c = self.counts[i]
         c[0] += 1
@@ -238,13 +153,14 @@ class _Recorder:
 
 
 def grade(
-    log: EventLog | str,
+    log: LogLike,
     verifiers: Verifier | Sequence[Verifier],
+    *,
+    storage_options: dict[str, Any] | None = None,
     runs: Iterable[str] | None = None,
     executor: Any = None,
     blobs: BlobStore | None = None,
     force: bool = False,
-    *,
     deadline_s: float = DEFAULT_DEADLINE_S,
     progress: Callable[[int, int], None] | None = None,
     batch_size: int = DEFAULT_BATCH,
@@ -253,7 +169,8 @@ def grade(
 ) -> GradeReport:
     """Grade the runs in ``verifying`` at the head (or ``runs``) and record one verdict
     per (run, verifier) not yet graded at that snapshot LSN (all of them with ``force``).
-    ``log`` is an ``EventLog`` or the root URL of an existing log.
+    ``log`` is an ``EventLog`` or the root URL of an existing log (with
+    ``storage_options``).
 
     ``executor``: None for a thread pool in this process (``threads`` wide), or a
     ``distributed.Client``; Dask workers read bodies through their own read-only log, so
@@ -263,11 +180,9 @@ def grade(
     ``chunk_runs`` runs per fold. Verdicts are committed ``batch_size`` per transaction
     as they arrive, so an interrupted job keeps the verdicts it made.
     """
-    from ._fold import _as_log
-    from ._grade_exec import _is_dask_client, _run_dask, _run_here
 
     t0 = time.perf_counter()
-    log = _as_log(log, None)
+    log = as_log(log, storage_options=storage_options)
     vs = [verifiers] if callable(verifiers) else list(verifiers)
     if not vs:
         raise ValidationError("grade: no verifiers given")
@@ -282,7 +197,7 @@ def grade(
     if batch_size < 1 or chunk_runs < 1:
         raise ValidationError("grade: batch_size and chunk_runs must be >= 1")
     n_threads = threads or min(8, (os.cpu_count() or 1) + 4)
-    dask = executor is not None and _is_dask_client(executor)
+    dask = executor is not None and is_dask_client(executor)
     if executor is not None and not dask:
         raise ValidationError(f"grade: executor must be None or a distributed.Client, got "
                               f"{type(executor).__name__}")
@@ -298,9 +213,9 @@ def grade(
     rec = _Recorder(log, ids, tasks, batch_size)
     snap_s: list[float] = []
     if dask:
-        results = _run_dask(executor, log, tasks, vs, limits, n_threads, chunk_runs, snap_s)
+        results = run_dask(executor, log, tasks, vs, limits, n_threads, chunk_runs, snap_s)
     else:
-        results = _run_here(log, tasks, vs, blobs if blobs is not None else log.blobs,
+        results = run_here(log, tasks, vs, blobs if blobs is not None else log.blobs,
                             limits, n_threads, chunk_runs, snap_s)
     total = sum(len(t.todo) for t in tasks)
     done = 0

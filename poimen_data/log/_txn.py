@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import events as ev
-from ._arrow import check_conformed, conform_table, events_to_table, table_refs
-from ._faults import crash_point, write_in_flight
-from ._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
-from ._storage import IO_POOL, BackgroundPool
-from .errors import PoimenError, ValidationError
+from poimen_data.errors import PoimenError, ValidationError
+from poimen_data.log._faults import crash_point, write_in_flight
+from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
+from poimen_data.model import _events as ev
+from poimen_data.model._arrow import check_conformed, conform_table, events_to_table, table_refs
+from poimen_data.storage._storage import IO_POOL, BackgroundPool
 
 if TYPE_CHECKING:
-    from ._log import EventLog
+    from poimen_data.log._log import EventLog
 
 BlobKey = tuple[str, str]  # (tenant, sha256)
 _logger = logging.getLogger("poimen_data")

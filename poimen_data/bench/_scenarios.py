@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._bench import (
+from poimen_data.bench._core import (
     Ctx,
     Goal,
     Result,
@@ -41,7 +41,7 @@ SMALL_POOL = 50_000  # small commits take their 100 events from this many genera
 
 
 def _open(root: Path | str, **kw: Any) -> Any:
-    from ._log import open_log
+    from poimen_data.log._log import open_log
 
     return open_log(str(root), **kw)
 
@@ -139,7 +139,7 @@ def event_objects(ctx: Ctx) -> Result:
     """``tx.append(event)`` with validation, committed, in events/s. The goal is absolute;
     the reference is converting the same events (as dicts) to Arrow with
     ``pa.Table.from_pylist`` and no validation: the least a Python writer must pay."""
-    from . import events as ev
+    from poimen_data.model import _events as ev
 
     n = ctx.sizes.object_events
     rows = ctx.events(n).to_pylist()
@@ -328,7 +328,7 @@ def open_log_scenario(ctx: Ctx) -> Result:
 def _scan(root: Path) -> list[tuple[Any, ...]]:
     """What a data scientist's first query costs: open the log, connect, and aggregate
     every event (reads, verifies and scans each segment)."""
-    from ._fold import connect
+    from poimen_data.fold._fold import connect
 
     con = connect(_open(root, create=False))
     try:
@@ -342,7 +342,7 @@ def small_files(ctx: Ctx) -> Result:
     """A full scan of the 10,000-commit log after ``compact`` against the same events
     written in one commit; the uncompacted log is scanned in the same rounds (the
     "before" ratio in the details and the note)."""
-    from ._maint import compact
+    from poimen_data.jobs._maint import compact
 
     many, _few, table = _many_commits(ctx)
     d = ctx.dir("small_files")
@@ -395,7 +395,7 @@ def cold_refold(ctx: Ctx) -> Result:
     the segments) against the very same fold (``_fold.fold_tables``, which registers the
     table as ``events`` the way ``connect`` does) over the events already in memory as
     one Arrow table. The difference is what reading costs."""
-    from ._fold import VIEWS, fold_tables
+    from poimen_data.fold._fold import VIEWS, fold_tables
 
     root, mem = _fold_log(ctx)
 
@@ -459,7 +459,7 @@ def fold_engine(ctx: Ctx) -> Result:
     """Our latest-state-per-attempt fold (the ``attempts`` SQL in DuckDB) against the same
     fold written in polars, both over the same in-memory events. Reported, not judged;
     the two results are checked to agree (rows, states, LSN ranges)."""
-    from ._fold import fold_tables
+    from poimen_data.fold._fold import fold_tables
 
     _root, mem = _fold_log(ctx)
     got: dict[str, pa.Table] = {}
@@ -502,7 +502,7 @@ def _state_log(ctx: Ctx) -> _StateLog:
     runs are still in flight at its end), materialized once; its state/ is copied aside
     so incremental rounds can start again from it."""
     if "state" not in ctx.cache:
-        from ._state import materialize
+        from poimen_data.fold._state import materialize
 
         b = ctx.block_rows()
         n = (ctx.sizes.state_runs // 500) * b + b // 2
@@ -529,7 +529,7 @@ def incremental(ctx: Ctx) -> Result:
     """``materialize`` after 1% more events (10 commits: new runs, and the ends of runs
     that were in flight) against a full materialize of the same log. Each round starts
     from the state of the base log, restored untimed."""
-    from ._state import materialize
+    from poimen_data.fold._state import materialize
 
     st = _state_log(ctx)
     if not st.appended:
@@ -563,8 +563,8 @@ def point_query(ctx: Ctx) -> Result:
     runs. The goal is absolute (median <= 20 ms); the reference reads the same run's rows
     with ``pyarrow.parquet.read_table(filters=...)`` from the four state files an answer
     needs (run index, runs, branches, attempts), the bare minimum of I/O."""
-    from ._query import episode
-    from ._state import materialize, read_pointer
+    from poimen_data.fold._query import episode
+    from poimen_data.fold._state import materialize, read_pointer
 
     st = _state_log(ctx)
     log = _open(st.root, create=False)
@@ -621,10 +621,10 @@ def grading(ctx: Ctx) -> Result:
     recording verdicts."""
     import math
 
-    from ._fold import connect, fold_tables
-    from ._grade import VerifierCtx, grade
-    from ._query import episodes_from_tables
-    from .verifiers import exit_code
+    from poimen_data.fold._fold import connect, fold_tables
+    from poimen_data.fold._query import episodes_from_tables
+    from poimen_data.jobs._grade import VerifierCtx, grade
+    from poimen_data.jobs.verifiers import exit_code
 
     want = ctx.sizes.grade_runs
     b = ctx.block_rows()
@@ -671,10 +671,10 @@ def export(ctx: Ctx) -> Result:
     """Bytes/s of ``export_live(format="jsonl")`` from a local log against reading the
     same bodies (every prompt and output of every exported record, as the export writes
     them) from disk with a thread pool of the same width (8)."""
-    from ._export import export_live
-    from ._fold import connect
-    from ._manifest import blob_path
-    from .synth import generate
+    from poimen_data.fold._fold import connect
+    from poimen_data.jobs._export import export_live
+    from poimen_data.log._manifest import blob_path
+    from poimen_data.workload.synth import generate
 
     d = ctx.dir("export")
     log = _open(d / "log")
@@ -804,21 +804,14 @@ SCENARIOS: list[Scenario] = [
     Scenario("event_objects", "event objects", GOALS["event_objects"], event_objects),
     Scenario("small_commit", "small commit", GOALS["small_commit"], small_commit),
     Scenario("small_commit_vs_peer", "small commit vs peer", GOALS["small_commit_vs_peer"],
-             small_commit_vs_peer, ("deltalake",)),
+             small_commit_vs_peer),
     Scenario("open", "open", GOALS["open"], open_log_scenario),
-    Scenario("small_files", "small files", GOALS["small_files"], small_files,
-             ("poimen_data._maint:compact",)),
-    Scenario("cold_refold", "cold re-fold", GOALS["cold_refold"], cold_refold,
-             ("poimen_data._fold:fold_tables",)),
-    Scenario("fold_engine", "fold engine", GOALS["fold_engine"], fold_engine,
-             ("poimen_data._fold:fold_tables", "polars")),
-    Scenario("incremental", "incremental", GOALS["incremental"], incremental,
-             ("poimen_data._state:materialize",)),
-    Scenario("point_query", "point query", GOALS["point_query"], point_query,
-             ("poimen_data._state:materialize", "poimen_data._query:episode")),
-    Scenario("grading", "grading", GOALS["grading"], grading,
-             ("poimen_data._grade:grade", "poimen_data.verifiers:exit_code")),
-    Scenario("export", "export", GOALS["export"], export,
-             ("poimen_data._export:export_live",)),
-    Scenario("s3_commit", "S3 commit", GOALS["s3_commit"], s3_commit, ("moto", "s3fs")),
+    Scenario("small_files", "small files", GOALS["small_files"], small_files),
+    Scenario("cold_refold", "cold re-fold", GOALS["cold_refold"], cold_refold),
+    Scenario("fold_engine", "fold engine", GOALS["fold_engine"], fold_engine),
+    Scenario("incremental", "incremental", GOALS["incremental"], incremental),
+    Scenario("point_query", "point query", GOALS["point_query"], point_query),
+    Scenario("grading", "grading", GOALS["grading"], grading),
+    Scenario("export", "export", GOALS["export"], export),
+    Scenario("s3_commit", "S3 commit", GOALS["s3_commit"], s3_commit),
 ]

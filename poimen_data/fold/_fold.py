@@ -19,9 +19,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import events as ev
-from ._log import EventLog, open_log
-from .errors import ValidationError
+from poimen_data.errors import ValidationError
+from poimen_data.log._log import EventLog, as_log
+from poimen_data.model import _events as ev
 
 #: Run-level kinds and the run state each one leaves behind (DESIGN section 2).
 RUN_LEVEL_KINDS = ("run_started", "verifying_entered", "branch_forked", "run_finished",
@@ -321,14 +321,6 @@ def run_events(log: EventLog, run_ids: Sequence[str], *, at_lsn: int,
                                                                      pa.string())))
 
 
-def _as_log(root_or_log: Any, storage_options: dict[str, Any] | None) -> EventLog:
-    if isinstance(root_or_log, EventLog):
-        return root_or_log
-    if not isinstance(root_or_log, str | os.PathLike):
-        raise TypeError(f"expected an EventLog or a root URL, got {type(root_or_log).__name__}")
-    return open_log(root_or_log, storage_options, create=False)
-
-
 def connect(
     root_or_log: EventLog | str | os.PathLike[str],
     at_lsn: int | None = None,
@@ -342,7 +334,7 @@ def connect(
     a query calls it, through ``log.blobs`` as it is at call time (so a counting wrapper
     installed later still sees the calls). The connection is the caller's to close.
     """
-    log = _as_log(root_or_log, storage_options)
+    log = as_log(root_or_log, storage_options=storage_options)
     if at_lsn is not None and (isinstance(at_lsn, bool) or not isinstance(at_lsn, int)):
         raise ValidationError(f"connect: at_lsn must be an int, got {at_lsn!r}")
     events = log.read_events(at_lsn)

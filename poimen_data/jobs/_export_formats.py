@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from .events import COST_QUANTUM, COST_TYPE
+from poimen_data.model._events import COST_QUANTUM, COST_TYPE
 
 USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens",
                 "reasoning_tokens", "cost_usd", "latency_ms")

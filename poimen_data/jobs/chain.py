@@ -1,59 +1,39 @@
-"""The stages of the batch chain a team schedules: compact, materialize, check, grade, export.
+"""The batch chain a team schedules: compact, grade, materialize, check, export.
 
-Each stage is a function ``(log, ...) -> StageResult`` usable on its own. A stage whose
-library function has not landed yet is *skipped* with a note instead of failing, so the
-chain can be scheduled today and grows as the library does. Library errors are results
-(status ``failed``), never tracebacks: a scheduler reads the summary, not a stack.
+Each stage is a function ``(log, ...) -> StageResult`` usable on its own; ``run_chain``
+runs them in order. Library errors are results (status ``failed``), never tracebacks: a
+scheduler reads the summary, not a stack. ``pipelines/nightly.py`` and ``poimen demo``
+call this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal
+
+from rich.table import Table
+
+from poimen_data.fold._query import check as _check
+from poimen_data.fold._state import materialize as _materialize
+from poimen_data.jobs._export import export_live
+from poimen_data.jobs._grade import grade as _grade
+from poimen_data.jobs._maint import compact as _compact
 
 #: The order of the chain: grading first, so the state that ``check`` proves and that
 #: ``export`` reads already holds the new verdicts (grading reads snapshots at older LSNs,
 #: which a state at the head cannot serve anyway).
 STAGES = ("compact", "grade", "materialize", "check", "export")
-#: Where each library function may live: the public name first, then its module.
-HOMES: dict[str, tuple[str, ...]] = {
-    "materialize": ("poimen_data", "poimen_data._state", "poimen_data._fold"),
-    "check": ("poimen_data", "poimen_data._state", "poimen_data._fold"),
-    "connect": ("poimen_data", "poimen_data._fold", "poimen_data._query"),
-    "episode": ("poimen_data", "poimen_data._query"),
-    "grade": ("poimen_data", "poimen_data._grade"),
-    "export_live": ("poimen_data", "poimen_data._export"),
-    "compact": ("poimen_data", "poimen_data._maint"),
-    "vacuum": ("poimen_data", "poimen_data._maint"),
-    "reduce": ("poimen_data", "poimen_data._maint"),
-    "view_sql": ("poimen_data", "poimen_data._fold"),
-}
-
-
-class NotYet(Exception):
-    """A library function this stage needs has not landed yet."""
+StageStatus = Literal["ok", "failed", "skipped"]
+STYLE = {"ok": "green", "skipped": "yellow", "failed": "bold red"}
 
 
 class StageFailed(Exception):
     """The stage ran and its answer is no (e.g. state != re-fold); the message says why."""
-
-
-def lookup(name: str) -> Callable[..., Any]:
-    """The library function ``name`` (e.g. ``"materialize"``), or raise ``NotYet``."""
-    for mod in HOMES.get(name, ("poimen_data",)):
-        try:
-            fn = getattr(importlib.import_module(mod), name, None)
-        except ImportError:
-            continue
-        if callable(fn):
-            return fn  # type: ignore[no-any-return]
-    raise NotYet(f"poimen_data.{name} is not available yet")
 
 
 def jsonable(x: Any, depth: int = 0) -> Any:
@@ -79,7 +59,7 @@ def jsonable(x: Any, depth: int = 0) -> Any:
 @dataclass(frozen=True)
 class StageResult:
     name: str
-    status: str  # "ok" | "skipped" | "failed"
+    status: StageStatus
     seconds: float
     detail: str  # one line for people
     data: dict[str, Any] = field(default_factory=dict)  # JSON facts for scripts
@@ -89,9 +69,7 @@ def _run(name: str, body: Callable[[], tuple[str, Any]]) -> StageResult:
     t0 = time.perf_counter()
     try:
         detail, data = body()
-        status = "ok"
-    except NotYet as exc:
-        status, detail, data = "skipped", f"{exc} (stage skipped)", {}
+        status: StageStatus = "ok"
     except StageFailed as exc:
         status, detail = "failed", str(exc.args[0]).splitlines()[0]
         data = exc.args[1] if len(exc.args) > 1 else {}
@@ -103,7 +81,7 @@ def _run(name: str, body: Callable[[], tuple[str, Any]]) -> StageResult:
 
 def compact(log: Any) -> StageResult:
     def body() -> tuple[str, Any]:
-        r = lookup("compact")(log)
+        r = _compact(log)
         return (f"{r.segments_before} -> {r.segments_after} segments "
                 f"({r.rewritten} rewritten)", r)
     return _run("compact", body)
@@ -111,8 +89,7 @@ def compact(log: Any) -> StageResult:
 
 def materialize(log: Any) -> StageResult:
     def body() -> tuple[str, Any]:
-        covers = lookup("materialize")(log)
-        lsn = getattr(covers, "lsn", covers)
+        lsn = _materialize(log)
         return f"state covers LSN {lsn} (head {log.head})", {"covers_lsn": lsn}
     return _run("materialize", body)
 
@@ -120,8 +97,8 @@ def materialize(log: Any) -> StageResult:
 def check(log: Any) -> StageResult:
     """State == cold re-fold. A mismatch is a ``failed`` stage naming the first difference."""
     def body() -> tuple[str, Any]:
-        r = lookup("check")(log)
-        if not getattr(r, "ok", r):
+        r = _check(log)
+        if not r.ok:
             raise StageFailed(str(r), r)
         return str(r), r
     return _run("check", body)
@@ -130,9 +107,8 @@ def check(log: Any) -> StageResult:
 def grade(log: Any, verifiers: Sequence[Any] | None = None, *,
           progress: Callable[[int, int], None] | None = None) -> StageResult:
     def body() -> tuple[str, Any]:
-        fn = lookup("grade")
         vs = list(verifiers) if verifiers else default_verifiers()
-        r = fn(log, vs, progress=progress) if progress else fn(log, vs)
+        r = _grade(log, vs, progress=progress)
         return (f"{r.runs_graded} runs graded ({r.runs_passed} passed, {r.runs_failed} "
                 f"failed, {r.runs_errored} errored), {r.verdicts_recorded} verdicts, "
                 f"{r.runs_skipped} skipped", r)
@@ -141,10 +117,8 @@ def grade(log: Any, verifiers: Sequence[Any] | None = None, *,
 
 def default_verifiers() -> list[Any]:
     """The example verifiers: states only, and one that reads the final answer."""
-    try:
-        from poimen_data import verifiers as v
-    except ImportError:
-        raise NotYet("poimen_data.verifiers is not available yet") from None
+    from poimen_data.jobs import verifiers as v
+
     return [v.exit_code, v.output_mentions("RESULT: resolved", last_steps=1,
                                            name="resolved")]
 
@@ -152,12 +126,10 @@ def default_verifiers() -> list[Any]:
 def export(log: Any, out_dir: str, formats: Sequence[str] = ("jsonl", "parquet"), *,
            progress: Callable[[Any], None] | None = None) -> StageResult:
     def body() -> tuple[str, Any]:
-        fn = lookup("export_live")
         files = []
         for fmt in formats:
             dest = f"{out_dir.rstrip('/')}/live.{fmt}"
-            r = fn(log, dest, format=fmt, progress=progress) if progress else \
-                fn(log, dest, format=fmt)
+            r = export_live(log, dest, format=fmt, progress=progress)
             files.append(r)
         parts = ", ".join(f"{r.path} ({r.records} records, {r.bytes:,} B)" for r in files)
         return parts, {"files": files}
@@ -190,3 +162,19 @@ def run_chain(log: Any, stages: Sequence[str] = STAGES, *, out_dir: str | None =
         if on_stage is not None:
             on_stage(r)
     return results
+
+
+def titled(title: str, **kw: Any) -> Table:
+    """A table at least as wide as its title (rich would wrap a long title)."""
+    return Table(title=title, min_width=len(title) + 4, **kw)
+
+
+def summary_table(results: Sequence[StageResult], title: str = "nightly") -> Table:
+    t = titled(title)
+    t.add_column("stage")
+    t.add_column("status")
+    t.add_column("seconds", justify="right")
+    t.add_column("what happened", overflow="fold")
+    for r in results:
+        t.add_row(r.name, f"[{STYLE[r.status]}]{r.status}[/]", f"{r.seconds:.2f}", r.detail)
+    return t

@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import ValidationError
-from .events import (
+from poimen_data.errors import ValidationError
+from poimen_data.model._events import (
     _REQUIRED,
     CONTEXT_TYPE,
     COST_QUANTUM,

@@ -1,0 +1,121 @@
+"""Two example verifiers, and the live-trajectory helper both use.
+
+``exit_code`` grades from attempt states alone and never reads a body: the cheap,
+always-available signal. ``output_mentions`` reads output text through ``ctx.blobs`` and
+shows how a body verifier treats a reduced body (``get`` -> None) as a normal answer.
+A verifier is any callable ``(VerifierCtx) -> Verdict`` with ``name``/``version``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from poimen_data.jobs._grade import Verdict, VerifierCtx
+
+if TYPE_CHECKING:
+    from poimen_data.fold._query import AttemptView, EpisodeView
+
+
+def live_trajectory(episode: EpisodeView) -> tuple[AttemptView, ...]:
+    """The attempts along the live branch's trajectory (DESIGN section 2), in order.
+
+    A snapshot's ``BranchView`` holds only the attempts its branch recorded, so the
+    trajectory is rebuilt from the parents: the parent's trajectory restricted to
+    ``step_index < fork_step_index``, then the branch's own attempts. Needs an episode
+    read with ``all_branches=True`` when the live branch is a fork (grading always is).
+    """
+    by_id = {b.branch_id: b for b in episode.branches}
+
+    def walk(branch_id: int, depth: int) -> tuple[Any, ...]:
+        b = by_id.get(branch_id)
+        if b is None or depth > len(by_id):
+            return ()
+        if b.parent_branch_id is None or b.fork_step_index is None:
+            return tuple(b.attempts)
+        inherited = tuple(a for a in walk(b.parent_branch_id, depth + 1)
+                          if a.step_index is not None and a.step_index < b.fork_step_index)
+        return inherited + tuple(b.attempts)
+
+    return walk(episode.live_branch, 0)
+
+
+def last_attempts(episode: EpisodeView) -> tuple[AttemptView, ...]:
+    """The last attempt of every step on the live trajectory, in trajectory order."""
+    last: dict[str, Any] = {}
+    for a in live_trajectory(episode):
+        last.pop(a.step, None)
+        last[a.step] = a
+    return tuple(last.values())
+
+
+def exit_code(ctx: VerifierCtx) -> Verdict:
+    """Pass when the last attempt of every step on the live trajectory succeeded.
+
+    Reads attempt states only (never ``ctx.blobs``); failed earlier attempts are retries
+    and do not count against the run, but their number is in ``detail``.
+    """
+    traj = live_trajectory(ctx.episode)
+    last = last_attempts(ctx.episode)
+    if not last:
+        return Verdict(False, 0.0, "no attempts on the live trajectory")
+    bad = [f"{a.step}={a.state}" for a in last if a.state != "succeeded"]
+    retried = sum(1 for a in traj if a.state in ("failed", "timed_out"))
+    score = (len(last) - len(bad)) / len(last)
+    if bad:
+        return Verdict(False, score, "not succeeded: " + ", ".join(bad))
+    return Verdict(True, score, f"{len(last)} steps succeeded; {retried} failed attempts")
+
+
+exit_code.name = "exit_code"  # type: ignore[attr-defined]
+exit_code.version = "1"  # type: ignore[attr-defined]
+
+
+class OutputMentions:
+    """Pass when the output of the last attempt of each step (or of the last
+    ``last_steps`` steps) on the live trajectory mentions ``needle``.
+
+    Reads one body per such attempt that has an output ref, and nothing else. A body
+    that was reduced (``get`` -> None) cannot be judged: it is listed in ``detail`` and
+    left out, and the verdict rests on the bodies still there (none left: not passed).
+    """
+
+    version = "1"
+
+    def __init__(self, needle: str, *, last_steps: int | None = None,
+                 name: str = "output_mentions") -> None:
+        self.needle = needle
+        self.last_steps = last_steps
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"OutputMentions({self.needle!r}, last_steps={self.last_steps})"
+
+    def __call__(self, ctx: VerifierCtx) -> Verdict:
+        last = last_attempts(ctx.episode)
+        if self.last_steps is not None:
+            last = last[-self.last_steps:] if self.last_steps > 0 else ()
+        read, hits, reduced = 0, 0, []
+        for a in last:
+            if a.output is None:
+                continue
+            body = ctx.blobs.get(a.output)
+            if body is None:
+                reduced.append(a.step)
+                continue
+            read += 1
+            hits += self.needle in body.decode("utf-8", errors="replace")
+        notes = f"; reduced: {', '.join(reduced)}" if reduced else ""
+        if read == 0:
+            return Verdict(False, None, f"no output body to read{notes}")
+        return Verdict(hits == read, hits / read,
+                       f"{hits}/{read} outputs mention {self.needle!r}{notes}")
+
+
+def output_mentions(needle: str, *, last_steps: int | None = None,
+                    name: str = "output_mentions") -> OutputMentions:
+    """A text verifier for ``needle`` (see ``OutputMentions``)."""
+    return OutputMentions(needle, last_steps=last_steps, name=name)
+
+
+__all__ = ["OutputMentions", "exit_code", "last_attempts", "live_trajectory",
+           "output_mentions"]

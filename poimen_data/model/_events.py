@@ -1,0 +1,602 @@
+"""Event classes, value types, the Arrow event schema and validation (DESIGN section 2).
+
+Every change to a run is one of the frozen event dataclasses below. A transaction
+validates each event on append (``validate_event``) and turns the batch into one Arrow
+table with ``EVENT_SCHEMA`` (``events_to_table``); bulk writers hand a table of the same
+schema to ``validate_table`` instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, ClassVar
+
+import pyarrow as pa
+
+from poimen_data.errors import ValidationError
+
+TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+VERIFIER_RE = re.compile(r"[^@\s]+@[^@\s]+")
+STEP_ID_MAX = 256
+
+RUN_STATES = ("running", "verifying", "succeeded", "failed", "cancelled")
+ATTEMPT_STATES = ("dispatched", "succeeded", "failed", "cancelled", "timed_out")
+TERMINAL_ATTEMPT_STATES = ("succeeded", "failed", "cancelled", "timed_out")
+RUN_OUTCOMES = ("succeeded", "failed")
+
+# cost_usd is money: stored exactly, so sums are deterministic (DESIGN section 3).
+COST_TYPE = pa.decimal128(18, 9)
+COST_QUANTUM = Decimal("0.000000001")
+
+
+# --- value types -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """A body by reference: content-addressed by sha256 within one tenant."""
+
+    tenant: str
+    sha256: str
+    size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "sha256": self.sha256, "size": self.size}
+
+
+@dataclass(frozen=True, slots=True)
+class ContextPartition:
+    """Context identifiers packed into the prompt, available but not packed, dropped."""
+
+    packed: tuple[str, ...] = ()
+    available: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "packed": list(self.packed),
+            "available": list(self.available),
+            "dropped": list(self.dropped),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token usage, cost and latency of one attempt (OpenTelemetry GenAI names)."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    cost_usd: Decimal | None = None
+    latency_ms: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        cost = self.cost_usd
+        if cost is not None:
+            cost = Decimal(cost).quantize(COST_QUANTUM)
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cache_read_input_tokens": self.cache_read_input_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+            "cost_usd": cost,
+            "latency_ms": None if self.latency_ms is None else float(self.latency_ms),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ToolInfo:
+    """Names of the tools an attempt called, in call order."""
+
+    calls: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"calls": list(self.calls)}
+
+
+# --- events -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: ClassVar[str] = ""
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunStarted(Event):
+    kind: ClassVar[str] = "run_started"
+    run_id: str
+    workflow_version: str
+    labels: Mapping[str, str] | None = None
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptDispatched(Event):
+    kind: ClassVar[str] = "attempt_dispatched"
+    run_id: str
+    branch_id: int
+    step_id: str
+    step_index: int
+    attempt_no: int
+    prompt: BlobRef | None = None
+    context: ContextPartition | None = None
+    workflow_version: str | None = None
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFinished(Event):
+    kind: ClassVar[str] = "attempt_finished"
+    run_id: str
+    branch_id: int
+    step_id: str
+    attempt_no: int
+    state: str
+    output: BlobRef | None = None
+    usage: Usage | None = None
+    tools: ToolInfo | None = None
+    error: str | None = None
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRecovered(Event):
+    kind: ClassVar[str] = "attempt_recovered"
+    run_id: str
+    branch_id: int
+    step_id: str
+    attempt_no: int
+    state: str
+    output: BlobRef | None = None
+    usage: Usage | None = None
+    tools: ToolInfo | None = None
+    error: str | None = None
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class BranchForked(Event):
+    kind: ClassVar[str] = "branch_forked"
+    run_id: str
+    branch_id: int
+    parent_branch_id: int
+    fork_step_index: int
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyingEntered(Event):
+    kind: ClassVar[str] = "verifying_entered"
+    run_id: str
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictRecorded(Event):
+    kind: ClassVar[str] = "verdict_recorded"
+    run_id: str
+    branch_id: int
+    verifier: str
+    snapshot_lsn: int
+    passed: bool
+    score: float | None = None
+    detail: str | None = None
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RunFinished(Event):
+    kind: ClassVar[str] = "run_finished"
+    run_id: str
+    outcome: str
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RunCancelled(Event):
+    kind: ClassVar[str] = "run_cancelled"
+    run_id: str
+    reason: str | None = None
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class BlobReduced(Event):
+    kind: ClassVar[str] = "blob_reduced"
+    original: BlobRef
+    summary: BlobRef
+    ts: datetime | None = field(default=None, kw_only=True)
+
+
+EVENT_CLASSES: dict[str, type[Event]] = {
+    c.kind: c
+    for c in (
+        RunStarted,
+        AttemptDispatched,
+        AttemptFinished,
+        AttemptRecovered,
+        BranchForked,
+        VerifyingEntered,
+        VerdictRecorded,
+        RunFinished,
+        RunCancelled,
+        BlobReduced,
+    )
+}
+KINDS = tuple(EVENT_CLASSES)
+
+# --- the Arrow schema of a segment -------------------------------------------------
+
+REF_TYPE = pa.struct(
+    [("tenant", pa.string()), ("sha256", pa.string()), ("size", pa.int64())]
+)
+CONTEXT_TYPE = pa.struct(
+    [
+        ("packed", pa.list_(pa.string())),
+        ("available", pa.list_(pa.string())),
+        ("dropped", pa.list_(pa.string())),
+    ]
+)
+USAGE_TYPE = pa.struct(
+    [
+        ("input_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("cache_read_input_tokens", pa.int64()),
+        ("reasoning_tokens", pa.int64()),
+        ("cost_usd", COST_TYPE),
+        ("latency_ms", pa.float64()),
+    ]
+)
+TOOLS_TYPE = pa.struct([("calls", pa.list_(pa.string()))])
+LABELS_TYPE = pa.map_(pa.string(), pa.string())
+
+#: One row per event, in commit order. A fresh segment holds exactly these columns; its
+#: LSNs are the manifest's ``first_lsn`` plus the row number. Compacted segments add
+#: ``lsn`` and ``seq`` in front (``LOG_SCHEMA``), which is also what readers see.
+EVENT_SCHEMA = pa.schema(
+    [
+        pa.field("ts", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("tenant", pa.string(), nullable=False),
+        ("run_id", pa.string()),
+        ("branch_id", pa.int64()),
+        ("step_id", pa.string()),
+        ("step_index", pa.int64()),
+        ("attempt_no", pa.int64()),
+        ("state", pa.string()),
+        ("workflow_version", pa.string()),
+        ("labels", LABELS_TYPE),
+        ("prompt", REF_TYPE),
+        ("output", REF_TYPE),
+        ("context", CONTEXT_TYPE),
+        ("usage", USAGE_TYPE),
+        ("tools", TOOLS_TYPE),
+        ("error", pa.string()),
+        ("parent_branch_id", pa.int64()),
+        ("fork_step_index", pa.int64()),
+        ("verifier", pa.string()),
+        ("snapshot_lsn", pa.int64()),
+        ("passed", pa.bool_()),
+        ("score", pa.float64()),
+        ("detail", pa.string()),
+        ("outcome", pa.string()),
+        ("reason", pa.string()),
+        ("original", REF_TYPE),
+        ("summary", REF_TYPE),
+    ]
+)
+LOG_SCHEMA = pa.schema(
+    [pa.field("lsn", pa.int64(), nullable=False), pa.field("seq", pa.int64(), nullable=False)]
+    + list(EVENT_SCHEMA)
+)
+REF_COLUMNS = ("prompt", "output", "original", "summary")
+
+
+# --- validation ---------------------------------------------------------------------
+
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "run_started": ("run_id", "workflow_version"),
+    "attempt_dispatched": ("run_id", "branch_id", "step_id", "step_index", "attempt_no"),
+    "attempt_finished": ("run_id", "branch_id", "step_id", "attempt_no", "state"),
+    "attempt_recovered": ("run_id", "branch_id", "step_id", "attempt_no", "state"),
+    "branch_forked": ("run_id", "branch_id", "parent_branch_id", "fork_step_index"),
+    "verifying_entered": ("run_id",),
+    "verdict_recorded": ("run_id", "branch_id", "verifier", "snapshot_lsn", "passed"),
+    "run_finished": ("run_id", "outcome"),
+    "run_cancelled": ("run_id",),
+    "blob_reduced": ("original", "summary"),
+}
+#: Which columns each kind may carry; anything else must be null in a bulk table.
+KIND_COLUMNS: dict[str, frozenset[str]] = {
+    k: frozenset(f.name for f in fields(c)) - {"ts"} for k, c in EVENT_CLASSES.items()
+}
+
+
+def _bad(where: str, fld: str, msg: str) -> ValidationError:
+    if not where:
+        return ValidationError(f"field {fld!r} {msg}")
+    return ValidationError(f"{where}: field {fld!r} {msg}")
+
+
+def _check_ref_cached(ref: Any, name: str, seen: set[Any] | None) -> None:
+    if seen is not None and type(ref) is BlobRef and ref in seen:
+        return
+    check_ref(ref, "", name)
+    if seen is not None:
+        seen.add(ref)
+
+
+def _check_int(where: str, name: str, v: Any, minimum: int) -> None:
+    if type(v) is not int or v < minimum:
+        raise _bad(where, name, f"must be an int >= {minimum}, got {v!r}")
+
+
+def _check_str(where: str, name: str, v: Any, max_len: int = 4096) -> None:
+    if not isinstance(v, str) or not v or len(v) > max_len:
+        raise _bad(where, name, f"must be a non-empty str of at most {max_len} chars")
+
+
+def check_tenant(v: Any, where: str = "argument") -> str:
+    if not isinstance(v, str) or not TENANT_RE.fullmatch(v):
+        raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {v!r}")
+    return v
+
+
+def check_run_id(v: Any, where: str = "argument") -> str:
+    if not isinstance(v, str) or not RUN_ID_RE.fullmatch(v):
+        raise _bad(where, "run_id", f"must match {RUN_ID_RE.pattern}, got {v!r}")
+    return v
+
+
+def check_ref(ref: Any, where: str = "argument", name: str = "ref") -> BlobRef:
+    if not isinstance(ref, BlobRef):
+        raise _bad(where, name, f"must be a BlobRef, got {type(ref).__name__}")
+    if not isinstance(ref.tenant, str) or not TENANT_RE.fullmatch(ref.tenant):
+        raise _bad(where, name, f"has an invalid tenant {ref.tenant!r}")
+    if not isinstance(ref.sha256, str) or not SHA256_RE.fullmatch(ref.sha256):
+        raise _bad(where, name, "sha256 must be 64 lowercase hex digits")
+    if type(ref.size) is not int or ref.size < 0:
+        raise _bad(where, name, f"size must be an int >= 0, got {ref.size!r}")
+    return ref
+
+
+def _check_str_tuple(where: str, name: str, v: Any) -> None:
+    if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
+        raise _bad(where, name, "must be a tuple of str")
+
+
+def validate_event(e: Any, where: str | int = "event",
+                   seen_refs: set[Any] | None = None) -> None:
+    """Check one event's structure; raise ``ValidationError`` naming ``where`` and the field.
+
+    ``where`` may be the event's position (an int): the message is only formatted on a
+    fault. ``seen_refs`` caches refs already checked (a transaction reuses a few refs many
+    times), which keeps validation cheap on the hot append path.
+    """
+    kind = getattr(type(e), "kind", None)
+    if kind not in EVENT_CLASSES or type(e) is not EVENT_CLASSES[kind]:
+        label = f"event {where}" if isinstance(where, int) else where
+        raise ValidationError(f"{label}: not a poimen_data.model._events event: {type(e).__name__}")
+    try:
+        _validate(e, kind, seen_refs)
+    except ValidationError as exc:
+        label = f"event {where}" if isinstance(where, int) else where
+        raise ValidationError(f"{label} ({kind}): {exc}") from None
+
+
+def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
+    where = ""
+    tenant = e.tenant
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+        raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {tenant!r}")
+    if kind != "blob_reduced":
+        run_id = e.run_id
+        if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
+            raise _bad(where, "run_id", f"must match {RUN_ID_RE.pattern}, got {run_id!r}")
+    ts = e.ts
+    if ts is not None and (not isinstance(ts, datetime) or ts.utcoffset() is None):
+        raise _bad(where, "ts", "must be a timezone-aware datetime")
+    if kind in ("attempt_dispatched", "attempt_finished", "attempt_recovered"):
+        _check_int(where, "branch_id", e.branch_id, 0)
+        _check_str(where, "step_id", e.step_id, STEP_ID_MAX)
+        _check_int(where, "attempt_no", e.attempt_no, 1)
+        if kind == "attempt_dispatched":
+            _check_int(where, "step_index", e.step_index, 0)
+            if e.prompt is not None:
+                _check_ref_cached(e.prompt, "prompt", seen)
+                if e.prompt.tenant != tenant:
+                    raise _bad(where, "prompt", "belongs to another tenant than the event")
+            ctx = e.context
+            if ctx is not None and not (seen is not None and ctx in seen):
+                if seen is not None and type(ctx) is ContextPartition:
+                    seen.add(ctx)
+                if not isinstance(ctx, ContextPartition):
+                    raise _bad(where, "context", "must be a ContextPartition")
+                _check_str_tuple(where, "context.packed", ctx.packed)
+                _check_str_tuple(where, "context.available", ctx.available)
+                _check_str_tuple(where, "context.dropped", ctx.dropped)
+            if e.workflow_version is not None:
+                _check_str(where, "workflow_version", e.workflow_version, 256)
+        else:
+            if e.state not in TERMINAL_ATTEMPT_STATES:
+                raise _bad(where, "state", f"must be one of {TERMINAL_ATTEMPT_STATES}, "
+                           f"got {e.state!r}")
+            if e.output is not None:
+                _check_ref_cached(e.output, "output", seen)
+                if e.output.tenant != tenant:
+                    raise _bad(where, "output", "belongs to another tenant than the event")
+            usage = e.usage
+            if usage is not None and not (seen is not None and usage in seen):
+                _check_usage(where, usage)
+                if seen is not None:
+                    seen.add(usage)
+            if e.tools is not None:
+                if not isinstance(e.tools, ToolInfo):
+                    raise _bad(where, "tools", "must be a ToolInfo")
+                _check_str_tuple(where, "tools.calls", e.tools.calls)
+            if e.error is not None and not isinstance(e.error, str):
+                raise _bad(where, "error", "must be a str")
+    elif kind == "run_started":
+        _check_str(where, "workflow_version", e.workflow_version, 256)
+        labels = e.labels
+        if labels is not None and (
+            not isinstance(labels, Mapping)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
+        ):
+            raise _bad(where, "labels", "must be a mapping of str to str")
+    elif kind == "branch_forked":
+        _check_int(where, "branch_id", e.branch_id, 1)
+        _check_int(where, "parent_branch_id", e.parent_branch_id, 0)
+        _check_int(where, "fork_step_index", e.fork_step_index, 0)
+        if e.parent_branch_id >= e.branch_id:
+            raise _bad(where, "parent_branch_id", "must be lower than branch_id")
+    elif kind == "verdict_recorded":
+        _check_int(where, "branch_id", e.branch_id, 0)
+        if not isinstance(e.verifier, str) or not VERIFIER_RE.fullmatch(e.verifier):
+            raise _bad(where, "verifier", f"must be 'name@version', got {e.verifier!r}")
+        _check_int(where, "snapshot_lsn", e.snapshot_lsn, 1)
+        if type(e.passed) is not bool:
+            raise _bad(where, "passed", "must be a bool")
+        if e.score is not None and (isinstance(e.score, bool)
+                                    or not isinstance(e.score, int | float)):
+            raise _bad(where, "score", "must be a float")
+        if e.detail is not None and not isinstance(e.detail, str):
+            raise _bad(where, "detail", "must be a str")
+    elif kind == "run_finished":
+        if e.outcome not in RUN_OUTCOMES:
+            raise _bad(where, "outcome", f"must be one of {RUN_OUTCOMES}, got {e.outcome!r}")
+    elif kind == "run_cancelled":
+        if e.reason is not None and not isinstance(e.reason, str):
+            raise _bad(where, "reason", "must be a str")
+    elif kind == "blob_reduced":
+        for name in ("original", "summary"):
+            ref = getattr(e, name)
+            _check_ref_cached(ref, name, seen)
+            if ref.tenant != tenant:
+                raise _bad(where, name, "belongs to another tenant than the event")
+
+
+def _check_usage(where: str, u: Any) -> None:
+    if not isinstance(u, Usage):
+        raise _bad(where, "usage", "must be a Usage")
+    for name in ("input_tokens", "output_tokens", "cache_read_input_tokens", "reasoning_tokens"):
+        v = getattr(u, name)
+        if v is not None:
+            _check_int(where, f"usage.{name}", v, 0)
+    if u.cost_usd is not None:
+        if not isinstance(u.cost_usd, Decimal | int) or isinstance(u.cost_usd, bool):
+            raise _bad(where, "usage.cost_usd", "must be a Decimal (money is stored exactly)")
+        if not Decimal(u.cost_usd).is_finite() or Decimal(u.cost_usd) < 0:
+            raise _bad(where, "usage.cost_usd", "must be a finite amount >= 0")
+    if u.latency_ms is not None and (
+        isinstance(u.latency_ms, bool) or not isinstance(u.latency_ms, int | float)
+    ):
+        raise _bad(where, "usage.latency_ms", "must be a number")
+
+
+def event_refs(e: Event) -> Iterable[tuple[str, BlobRef]]:
+    """The (field, ref) pairs an event points at."""
+    for name in REF_COLUMNS:
+        ref = getattr(e, name, None)
+        if ref is not None:
+            yield name, ref
+
+
+def _ref_from(d: Mapping[str, Any] | None) -> BlobRef | None:
+    return None if d is None else BlobRef(d["tenant"], d["sha256"], d["size"])
+
+
+def event_from_row(row: Mapping[str, Any]) -> Event:
+    """Rebuild an event object from one row (a dict) of an EVENT_SCHEMA/LOG_SCHEMA table."""
+    kind = row["kind"]
+    cls = EVENT_CLASSES[kind]
+    kw: dict[str, Any] = {}
+    for f in fields(cls):
+        v = row.get(f.name)
+        if v is None:
+            kw[f.name] = None
+            continue
+        if f.name in REF_COLUMNS:
+            v = _ref_from(v)
+        elif f.name == "context":
+            v = ContextPartition(tuple(v["packed"] or ()), tuple(v["available"] or ()),
+                                 tuple(v["dropped"] or ()))
+        elif f.name == "usage":
+            v = Usage(**v)
+        elif f.name == "tools":
+            v = ToolInfo(tuple(v["calls"] or ()))
+        elif f.name == "labels":
+            v = dict(v)
+        kw[f.name] = v
+    return cls(**kw)
+
+
+def event_from_json(obj: Mapping[str, Any]) -> Event:
+    """Build an event from its JSON form: ``kind`` plus the class's fields (test vectors).
+    Any malformed part is a ``ValidationError``."""
+    try:
+        return _event_from_json(obj)
+    except ValidationError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+        raise ValidationError(f"event {dict(obj).get('kind')!r}: malformed: {exc!r}") from None
+
+
+def _event_from_json(obj: Mapping[str, Any]) -> Event:
+    obj = dict(obj)
+    kind = obj.pop("kind", None)
+    if kind not in EVENT_CLASSES:
+        raise ValidationError(f"unknown event kind {kind!r}")
+    for name in REF_COLUMNS:
+        if obj.get(name) is not None:
+            obj[name] = BlobRef(**obj[name])
+    if obj.get("context") is not None:
+        obj["context"] = ContextPartition(**{k: tuple(v) for k, v in obj["context"].items()})
+    if obj.get("usage") is not None:
+        u = dict(obj["usage"])
+        if u.get("cost_usd") is not None:
+            u["cost_usd"] = Decimal(str(u["cost_usd"]))
+        obj["usage"] = Usage(**u)
+    if obj.get("tools") is not None:
+        obj["tools"] = ToolInfo(tuple(obj["tools"]["calls"]))
+    if isinstance(obj.get("ts"), str):
+        obj["ts"] = datetime.fromisoformat(obj["ts"])
+    try:
+        return EVENT_CLASSES[kind](**obj)
+    except TypeError as exc:
+        raise ValidationError(f"event of kind {kind!r}: {exc}") from None
+
+
+__all__ = [
+    "ATTEMPT_STATES",
+    "AttemptDispatched",
+    "AttemptFinished",
+    "AttemptRecovered",
+    "BlobReduced",
+    "BlobRef",
+    "BranchForked",
+    "ContextPartition",
+    "EVENT_SCHEMA",
+    "Event",
+    "LOG_SCHEMA",
+    "RUN_STATES",
+    "RunCancelled",
+    "RunFinished",
+    "RunStarted",
+    "ToolInfo",
+    "Usage",
+    "VerdictRecorded",
+    "VerifyingEntered",
+    "event_from_json",
+    "event_from_row",
+    "validate_event",
+]
