@@ -3,6 +3,8 @@
 Record agent-workflow runs as an append-only event log (Arrow IPC segments, a
 content-addressed blob store, manifest commits on any fsspec storage), fold it into
 episode tables with DuckDB, grade frozen snapshots, and export training data.
+The layers, bottom up: ``model`` → ``storage`` → ``log`` → ``fold`` → ``jobs`` →
+``workload``/``bench`` → this face (``docs/DESIGN.md``, "Layers").
 """
 
 from __future__ import annotations
@@ -16,23 +18,42 @@ from poimen_data.errors import (
     TenantMismatch,
     ValidationError,
 )
-from poimen_data.fold._fold import connect
-from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, check, episode
-from poimen_data.fold._state import materialize
-from poimen_data.jobs._export import ExportProgress, ExportReport, export_live
-from poimen_data.jobs._grade import GradeReport, Verdict, VerifierCtx, grade
-from poimen_data.jobs._maint import compact, reduce, vacuum
-from poimen_data.log._blobs import BlobStore, FsBlobStore
-from poimen_data.log._log import CommitInfo, EventLog, Transaction, open_log
-from poimen_data.model._events import BlobRef, ContextPartition, ToolInfo, Usage
+from poimen_data.fold import (
+    AttemptView,
+    BranchView,
+    EpisodeView,
+    connect,
+    episode,
+    materialize,
+)
+from poimen_data.fold._query import CheckReport, check
+from poimen_data.jobs import (
+    CompactReport,
+    ExportProgress,
+    ExportReport,
+    GradeReport,
+    ReduceReport,
+    VacuumReport,
+    Verdict,
+    VerifierCtx,
+    compact,
+    export_live,
+    grade,
+    reduce,
+    vacuum,
+)
+from poimen_data.log import BlobStore, CommitInfo, EventLog, FsBlobStore, Transaction, open_log
+from poimen_data.model import BlobRef, ContextPartition, ToolInfo, Usage
 
 __all__ = [
     "AttemptView",
     "BlobRef",
     "BlobStore",
     "BranchView",
+    "CheckReport",
     "CommitConflict",
     "CommitInfo",
+    "CompactReport",
     "ContextPartition",
     "CorruptionError",
     "EpisodeView",
@@ -44,10 +65,12 @@ __all__ = [
     "LeaseHeld",
     "NotFound",
     "PoimenError",
+    "ReduceReport",
     "TenantMismatch",
     "ToolInfo",
     "Transaction",
     "Usage",
+    "VacuumReport",
     "ValidationError",
     "Verdict",
     "VerifierCtx",

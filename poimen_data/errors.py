@@ -19,8 +19,9 @@ class CommitConflict(PoimenError):
     """A commit could not be published after its retries were exhausted."""
 
 
-class TenantMismatch(PoimenError, PermissionError):
-    """A ref was used under a tenant that does not own it."""
+class TenantMismatch(ValidationError, PermissionError):
+    """A ref was used under a tenant that does not own it (a ``ValidationError``: the
+    transaction is rejected whole, on the event path and the bulk path alike)."""
 
 
 class NotFound(PoimenError, FileNotFoundError):

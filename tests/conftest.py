@@ -16,6 +16,38 @@ import poimen_data as pdm
 BUCKET = "poimen-test"
 
 
+#: Whole files of the slow tier: other processes, notebooks, the bench, Dask clusters,
+#: thousands of commits.
+SLOW_FILES = frozenset({
+    "test_bench.py", "test_cli_pipelines.py", "test_grade_dask.py", "test_log_open.py",
+    "test_log_processes.py", "test_maint_equivalence.py", "test_notebooks.py",
+    "test_txn_background.py", "test_fold_bench.py", "test_grade_speed.py",
+})
+#: Single slow tests (property tests over many histories, big pinned workloads).
+SLOW_TESTS = frozenset({
+    "test_any_split_and_materialize_points_give_the_bytes_of_one_cold_refold",
+    "test_snapshots_built_in_bulk_equal_cold_episodes_at_each_verifying_lsn",
+    "test_same_seed_same_log_other_seed_other_log",
+    "test_pinned_digest_of_the_events",
+    "test_one_planted_fault_is_found_by_both_paths",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast tier is ``pytest -m "not slow"``. Marked ``slow`` here: every test that
+    reaches S3 (the ``s3`` fixture or a backend parameter "s3", also marked ``s3``), every
+    test of several processes (the ``proc_root`` fixture), and the files and tests above."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names = getattr(item, "fixturenames", ())
+        if "s3" in names or "s3" in params.values():
+            item.add_marker(pytest.mark.s3)
+            item.add_marker(pytest.mark.slow)
+        elif ("proc_root" in names or item.path.name in SLOW_FILES
+              or item.originalname in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+
+
 @dataclass(frozen=True)
 class S3Endpoint:
     url: str

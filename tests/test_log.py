@@ -101,9 +101,21 @@ def test_same_body_two_tenants_is_two_objects_and_refs_do_not_cross(root: Root) 
     with pytest.raises(pdm.ValidationError):
         log.blobs.get(pdm.BlobRef("acme", "not-hex", 3))
     # an event of one tenant cannot point at another tenant's body
-    with pytest.raises(pdm.ValidationError, match="another tenant"):
+    pdm.vacuum(log, grace=0)  # promote what is staged: the snapshot below is at rest
+    head, files = log.head, sorted(log.storage.walk_files(""))
+    with pytest.raises(pdm.TenantMismatch, match="another tenant"):
         with log.transaction() as tx:
             tx.append(E.AttemptDispatched("globex", "r", 0, "s", 0, 1, prompt=only_acme))
+    # the bulk path raises the same error for the same fault
+    bulk = E.events_to_table([E.AttemptFinished("globex", "r", 0, "s", 1, "succeeded",
+                                                output=only_acme)],
+                             [datetime(2025, 1, 1, tzinfo=UTC)])
+    with pytest.raises(pdm.TenantMismatch, match="row 0 .*field 'output' belongs to another"):
+        with log.transaction() as tx:
+            tx.extend(bulk)
+    assert issubclass(pdm.TenantMismatch, pdm.ValidationError)
+    pdm.vacuum(log, grace=0)
+    assert (log.head, sorted(log.storage.walk_files(""))) == (head, files)
 
 
 @pytest.mark.parametrize(

@@ -1,1 +1,24 @@
-"""placeholder"""
+"""The fold layer: the fold as SQL text (views), DuckDB connections over the log,
+materialized parquet state, and episode views.
+
+Imports ``model``, ``storage`` and ``log``; ``jobs`` and the face build on it.
+"""
+
+from __future__ import annotations
+
+from poimen_data.fold._fold import FOLD_VERSION, VIEW_SQL, VIEWS, connect, view_sql
+from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, episode
+from poimen_data.fold._state import materialize
+
+__all__ = [
+    "FOLD_VERSION",
+    "VIEWS",
+    "VIEW_SQL",
+    "AttemptView",
+    "BranchView",
+    "EpisodeView",
+    "connect",
+    "episode",
+    "materialize",
+    "view_sql",
+]

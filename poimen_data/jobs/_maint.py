@@ -31,7 +31,7 @@ import pyarrow as pa
 from poimen_data.errors import CorruptionError, LeaseHeld, NotFound, ValidationError
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
-from poimen_data.log._txn import _now_iso
+from poimen_data.log._txn import now_iso
 from poimen_data.model import _events as ev
 
 LEASE = "_lease.json"
@@ -442,7 +442,7 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
 
         def make(seq: int, first: int) -> Manifest:
             return Manifest(seq=seq, txn=txn, kind="compact", first_lsn=first, n_events=0,
-                            ts=_now_iso(), segments=tuple(new), supersedes=gone)
+                            ts=now_iso(), segments=tuple(new), supersedes=gone)
 
         held.check()
         m = log._publish(make, txn)

@@ -1,1 +1,27 @@
-"""placeholder"""
+"""The log layer: layout and manifests, the commit protocol (transactions, publish,
+recovery, checkpoints), the blob store and the fault points of the crash tests.
+
+Imports ``model`` and ``storage``; everything above reads the log through ``EventLog``.
+"""
+
+from __future__ import annotations
+
+from poimen_data.log._blobs import BlobStore, FsBlobStore
+from poimen_data.log._log import EventLog, LogLike, as_log, commit_events, open_log
+from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo
+from poimen_data.log._txn import CommitInfo, Transaction
+
+__all__ = [
+    "BlobEntry",
+    "BlobStore",
+    "CommitInfo",
+    "EventLog",
+    "FsBlobStore",
+    "LogLike",
+    "Manifest",
+    "SegmentInfo",
+    "Transaction",
+    "as_log",
+    "commit_events",
+    "open_log",
+]

@@ -43,7 +43,7 @@ from poimen_data.log._manifest import (
     loads,
     manifest_path,
 )
-from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, _now_iso
+from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
 from poimen_data.storage._storage import BackgroundPool, Storage
 
@@ -616,7 +616,7 @@ def open_log(
         config = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
-            "created": _now_iso(),
+            "created": now_iso(),
             "checkpoint_interval": checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL,
         }
         storage.put_if_absent("_poimen.json", dumps(config))

@@ -44,7 +44,7 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def _now_iso() -> str:
+def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
@@ -360,6 +360,6 @@ class Transaction:
             n = seg.rows
         return Manifest(
             seq=seq, txn=self.txn, kind="append" if n else "blobs", first_lsn=first,
-            n_events=n, ts=_now_iso(), segments=segs, blobs=tuple(blobs),
+            n_events=n, ts=now_iso(), segments=segs, blobs=tuple(blobs),
             reduces=tuple(sorted(set(reduces))),
         )

@@ -16,9 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from poimen_data.errors import ValidationError
+from poimen_data.errors import TenantMismatch, ValidationError
 from poimen_data.model._events import (
-    _REQUIRED,
     CONTEXT_TYPE,
     COST_QUANTUM,
     COST_TYPE,
@@ -39,8 +38,9 @@ from poimen_data.model._events import (
     VERIFIER_RE,
     BlobRef,
     Event,
-    _bad,
 )
+from poimen_data.model._events import REQUIRED_FIELDS as _REQUIRED
+from poimen_data.model._events import bad_field as _bad
 
 # --- conversion ---------------------------------------------------------------------
 
@@ -186,15 +186,15 @@ def _first_row(mask: pa.ChunkedArray | pa.Array) -> int | None:
 
 
 def _fail_where(t: pa.Table, where: str, mask: Any, fld: str, msg: str, *, base: int = 0,
-                certain: bool = True) -> None:
+                certain: bool = True, error: type[ValidationError] = ValidationError) -> None:
     """Raise naming the first row ``mask`` selects. ``certain``: a check already found a
     fault, so raise (without a row) even if the mask selects none: never accept."""
     i = _first_row(mask)
     if i is not None:
         kind = t.column("kind")[i].as_py()
-        raise _bad(f"{where} row {base + i} ({kind})", fld, msg)
+        raise _bad(f"{where} row {base + i} ({kind})", fld, msg, error)
     if certain:
-        raise _bad(where, fld, msg)
+        raise _bad(where, fld, msg, error)
 
 
 _REQUIRED_BY: dict[str, frozenset[str]] = {
@@ -325,8 +325,9 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
             base += b.num_rows
         return
 
-    def fail(mask: Any, fld: str, msg: str, certain: bool = True) -> None:
-        _fail_where(t, where, mask, fld, msg, base=base, certain=certain)
+    def fail(mask: Any, fld: str, msg: str, certain: bool = True,
+             error: type[ValidationError] = ValidationError) -> None:
+        _fail_where(t, where, mask, fld, msg, base=base, certain=certain, error=error)
 
     col = t.column
     kind = col("kind").chunk(0)
@@ -476,7 +477,7 @@ def _check_refs(ref: pa.Array, tenant: pa.Array, name: str, fail: Callable[..., 
          certain=False)
     fail(pc.and_(valid, pc.invert(pc.fill_null(
         pc.equal(pc.struct_field(ref, "tenant"), tenant), False))), name,
-        "belongs to another tenant than the event", certain=False)
+        "belongs to another tenant than the event", certain=False, error=TenantMismatch)
     fail(bad, name, "size must be an int >= 0")
 
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import pyarrow as pa
 
-from poimen_data.errors import ValidationError
+from poimen_data.errors import TenantMismatch, ValidationError
 
 TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -315,16 +315,22 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "run_cancelled": ("run_id",),
     "blob_reduced": ("original", "summary"),
 }
+REQUIRED_FIELDS = _REQUIRED  # required fields by kind, shared with the bulk path
 #: Which columns each kind may carry; anything else must be null in a bulk table.
 KIND_COLUMNS: dict[str, frozenset[str]] = {
     k: frozenset(f.name for f in fields(c)) - {"ts"} for k, c in EVENT_CLASSES.items()
 }
 
 
-def _bad(where: str, fld: str, msg: str) -> ValidationError:
+def _bad(where: str, fld: str, msg: str,
+         error: type[ValidationError] = ValidationError) -> ValidationError:
     if not where:
-        return ValidationError(f"field {fld!r} {msg}")
-    return ValidationError(f"{where}: field {fld!r} {msg}")
+        return error(f"field {fld!r} {msg}")
+    return error(f"{where}: field {fld!r} {msg}")
+
+
+#: The public names of what the bulk path (``_arrow``) shares with the event path.
+bad_field = _bad
 
 
 def _check_ref_cached(ref: Any, name: str, seen: set[Any] | None) -> None:
@@ -385,12 +391,12 @@ def validate_event(e: Any, where: str | int = "event",
     kind = getattr(type(e), "kind", None)
     if kind not in EVENT_CLASSES or type(e) is not EVENT_CLASSES[kind]:
         label = f"event {where}" if isinstance(where, int) else where
-        raise ValidationError(f"{label}: not a poimen_data.model._events event: {type(e).__name__}")
+        raise ValidationError(f"{label}: not a poimen_data.events event: {type(e).__name__}")
     try:
         _validate(e, kind, seen_refs)
     except ValidationError as exc:
         label = f"event {where}" if isinstance(where, int) else where
-        raise ValidationError(f"{label} ({kind}): {exc}") from None
+        raise type(exc)(f"{label} ({kind}): {exc}") from None
 
 
 def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
@@ -414,7 +420,8 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
             if e.prompt is not None:
                 _check_ref_cached(e.prompt, "prompt", seen)
                 if e.prompt.tenant != tenant:
-                    raise _bad(where, "prompt", "belongs to another tenant than the event")
+                    raise _bad(where, "prompt", "belongs to another tenant than the event",
+                           TenantMismatch)
             ctx = e.context
             if ctx is not None and not (seen is not None and ctx in seen):
                 if seen is not None and type(ctx) is ContextPartition:
@@ -433,7 +440,8 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
             if e.output is not None:
                 _check_ref_cached(e.output, "output", seen)
                 if e.output.tenant != tenant:
-                    raise _bad(where, "output", "belongs to another tenant than the event")
+                    raise _bad(where, "output", "belongs to another tenant than the event",
+                           TenantMismatch)
             usage = e.usage
             if usage is not None and not (seen is not None and usage in seen):
                 _check_usage(where, usage)
@@ -482,7 +490,8 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
             ref = getattr(e, name)
             _check_ref_cached(ref, name, seen)
             if ref.tenant != tenant:
-                raise _bad(where, name, "belongs to another tenant than the event")
+                raise _bad(where, name, "belongs to another tenant than the event",
+                           TenantMismatch)
 
 
 def _check_usage(where: str, u: Any) -> None:

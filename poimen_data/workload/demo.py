@@ -17,8 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from poimen_data.errors import NotFound
 from poimen_data.jobs import chain as st
 from poimen_data.jobs.chain import summary_table, titled
+from poimen_data.log import open_log
+from poimen_data.workload import synth
 
 QUERIES = (
     ("Which steps fail most, by workflow version?",
@@ -40,11 +43,9 @@ class DemoRootError(Exception):
 
 def prepare_root(root: str) -> str:
     """Make ``root`` empty for the demo; returns "created" or "replaced"."""
-    import poimen_data as pdm
-
     try:
-        old = pdm.open_log(root, create=False)
-    except pdm.NotFound:
+        old = open_log(root, create=False)
+    except NotFound:
         if "://" not in root and os.path.isdir(root) and os.listdir(root):
             raise DemoRootError(f"{root} exists and is not a poimen log; the demo will not "
                                 "overwrite it (choose another --root)") from None
@@ -117,13 +118,11 @@ def run(root: str, *, runs: int = 300, seed: int = 0, batch: int = 16,
         console: Console | None = None, quiet: bool = False) -> dict[str, Any]:
     """Record, materialize, check, grade and export into ``root``; print the report
     unless ``quiet``; return the facts as JSON values."""
-    import poimen_data as pdm
-    from poimen_data import synth
 
     out = console or Console()
     t0 = time.perf_counter()
     how = prepare_root(root)
-    log = pdm.open_log(root)
+    log = open_log(root)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=out, transient=True,
                   disable=quiet or not out.is_terminal) as p:
