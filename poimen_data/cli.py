@@ -251,8 +251,8 @@ STATE_STYLE = {"succeeded": "green", "failed": "red", "timed_out": "red",
                "running": "yellow"}
 
 
-def _styled(state: str) -> str:
-    return f"[{STATE_STYLE.get(state, 'white')}]{state}[/]"
+def _styled(state: str | None) -> str:
+    return f"[{STATE_STYLE.get(state or '', 'white')}]{state}[/]"
 
 
 @command("show", "poimen show run-000007 --all-branches")
@@ -485,12 +485,12 @@ def reduce(larger_than: Annotated[int | None, typer.Option(
             f"{'would reduce' if dry_run else 'nothing to reduce:'} {len(todo)} bodies, "
             f"{data['bytes']:,} bytes")
         return
-    r = pdm.reduce(log, todo, _summarize(keep))
+    report = pdm.reduce(log, todo, _summarize(keep))
     if as_json:
-        emit_json(r)
+        emit_json(report)
     else:
-        out.print(f"reduced {len(r.reduced)} bodies ({len(r.skipped)} already reduced), "
-                  f"freed {r.bytes_freed:,} bytes, at LSN {r.lsn}")
+        out.print(f"reduced {len(report.reduced)} bodies ({len(report.skipped)} already "
+                  f"reduced), freed {report.bytes_freed:,} bytes, at LSN {report.lsn}")
 
 
 @command("log", "poimen log --limit 20")

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from poimen_data.errors import NotFound
+from poimen_data.fold import connect
 from poimen_data.jobs import chain as st
 from poimen_data.jobs.chain import summary_table, titled
 from poimen_data.log import open_log
@@ -81,31 +82,28 @@ def failure_table(failure_by_step: dict[tuple[str, str], tuple[int, int]]) -> Ta
     """Failure rate of attempts per (workflow, step), one column per version."""
     versions = sorted({wv.split("@")[1] for wv, _ in failure_by_step})
     rows: dict[tuple[str, str], dict[str, tuple[int, int]]] = defaultdict(dict)
-    for (wv, step), v in failure_by_step.items():
+    for (wv, step), counts in failure_by_step.items():
         wf, ver = wv.split("@")
-        rows[(wf, step)][ver] = v
+        rows[(wf, step)][ver] = counts
     t = titled("Failure rate by step and workflow version (failed or timed out)")
     t.add_column("workflow")
     t.add_column("step")
-    for v in versions:
-        t.add_column(v, justify="right")
+    for version in versions:
+        t.add_column(version, justify="right")
     for (wf, step), by_v in sorted(rows.items()):
         cells = []
-        for v in versions:
-            a, f = by_v.get(v, (0, 0))
+        for version in versions:
+            a, f = by_v.get(version, (0, 0))
             cells.append(f"{f / a:.0%} of {a}" if a else "-")
         t.add_row(wf, step, *cells)
     return t
 
 
-def _verdicts(log: Any) -> Table | None:
-    try:
-        con = st.lookup("connect")(log)
+def _verdicts(log: Any) -> Table:
+    with connect(log) as con:
         rows = con.sql("select verifier, count(*) as verdicts, "
                        "sum(passed::int) as passed, round(avg(score), 3) as mean_score "
                        "from verdicts group by verifier order by verifier").fetchall()
-    except Exception:  # the views may not be there yet: the stage table says why
-        return None
     t = titled("Verdicts (from the verdicts view)")
     for c in ("verifier", "verdicts", "passed", "mean score"):
         t.add_column(c, justify="left" if c == "verifier" else "right")
@@ -175,9 +173,7 @@ def _report(out: Console, log: Any, s: Any, results: list[st.StageResult],
               f"{s.ref_bytes / 1e6:.1f} MB referenced; {s.shared_bodies} shared between "
               f"runs), sizes {s.min_body:,} B to {s.max_body:,} B.")
     out.print(summary_table(results, "The batch chain (python -m pipelines.nightly)"))
-    v = _verdicts(log)
-    if v is not None:
-        out.print(v)
+    out.print(_verdicts(log))
     ft = titled(f"Files under {log.root}")
     ft.add_column("path")
     ft.add_column("files", justify="right")
