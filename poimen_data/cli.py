@@ -1,4 +1,4 @@
-"""The ``poimen`` command: a thin, friendly layer over the library (DESIGN section 8).
+"""The ``poimen`` command: a thin, friendly layer over the library (docs/DESIGN.md, "Command line").
 
 Every command opens the root from ``--root``, else ``$POIMEN_ROOT``, else
 ``./poimen-data`` (any fsspec URL), prints tables (``--json`` for scripts), and turns bad

@@ -1,4 +1,4 @@
-"""The one error root of poimen_data and its few leaves (DESIGN section 4)."""
+"""The one error root of poimen_data and its few leaves (docs/DESIGN.md, "Python API")."""
 
 from __future__ import annotations
 

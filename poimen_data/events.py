@@ -1,4 +1,4 @@
-"""Event classes, value types, the Arrow event schema and validation (DESIGN.md, "Domain").
+"""Event classes, value types, the Arrow event schema and validation (docs/DESIGN.md, "Domain").
 
 The public path of ``poimen_data.model``: the classes live in ``model/_events.py``, the
 Arrow-side conversion and bulk validation in ``model/_arrow.py``.

@@ -1,4 +1,4 @@
-"""Export for the learning loop (DESIGN section 7, issue 5): the live trajectory only,
+"""Export for the learning loop (docs/DESIGN.md, "Export", issue 5): the live trajectory only,
 byte-identical from materialized state and from a cold re-fold, loadable by the tools
 people train with, streaming in bounded memory, never a partial file at ``dest``."""
 

@@ -1,5 +1,5 @@
-"""The fold's rules (DESIGN section 2) and the views' shape (section 5), on real DuckDB over
-real logs; and the golden log, whose fold digest is pinned.
+"""The fold's rules (docs/DESIGN.md, "Domain") and the views' shape ("SQL views"), on real
+DuckDB over real logs; and the golden log, whose fold digest is pinned.
 
 Re-pin the golden digest only on purpose: ``.venv/bin/python tests/test_fold.py --pin``.
 """

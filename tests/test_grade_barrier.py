@@ -1,5 +1,6 @@
-"""The snapshot barrier (DESIGN section 6): a rewind, a cancel and a recovery committed from
-outside the run while a verifier is parked mid-verify must not reach the view it holds.
+"""The snapshot barrier (docs/DESIGN.md, "Grading"): a rewind, a cancel and a recovery
+committed from outside the run while a verifier is parked mid-verify must not reach the
+view it holds.
 
 Each test parks the verifier on a rendezvous (threading.Event, never a sleep), lets a
 mutator thread (or a child process it starts) commit through its own handle on the log,

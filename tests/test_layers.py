@@ -172,3 +172,18 @@ def test_importing_the_package_imports_no_pipeline(module: str) -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=True, cwd=PKG.parent)
     assert p.stdout.strip() == "[]"
+
+
+def test_docstrings_cite_sections_that_exist() -> None:
+    """Code cites the design by section name; a renamed section must not leave them stale."""
+    design = (PKG.parent / "docs" / "DESIGN.md").read_text()
+    sections = {line[3:].strip() for line in design.splitlines() if line.startswith("## ")}
+    cited = set()
+    for path in [*PKG.rglob("*.py"), *(PKG.parent / "tests").glob("*.py")]:
+        for name in re_citation.findall(path.read_text()):
+            cited.add((path.name, name))
+    assert cited, "no citation found: the pattern is wrong"
+    assert sorted(c for c in cited if c[1] not in sections) == []
+
+
+re_citation = __import__("re").compile(r'docs/DESIGN\.md``?, "([^"]+)"')

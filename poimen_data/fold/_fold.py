@@ -1,4 +1,5 @@
-"""The fold: committed events -> episode tables, as SQL text kept as data (DESIGN section 5).
+"""The fold: committed events -> episode tables, as SQL text kept as data
+(docs/DESIGN.md, "SQL views").
 
 ``VIEW_SQL`` maps each view to the exact SQL DuckDB runs (print it, read it, diff it).
 ``connect()`` registers the log's events as ``events`` and these texts as views; the
@@ -23,7 +24,7 @@ from poimen_data.errors import ValidationError
 from poimen_data.log._log import EventLog, as_log
 from poimen_data.model import _events as ev
 
-#: Run-level kinds and the run state each one leaves behind (DESIGN section 2).
+#: Run-level kinds and the run state each one leaves behind (docs/DESIGN.md, "Domain").
 RUN_LEVEL_KINDS = ("run_started", "verifying_entered", "branch_forked", "run_finished",
                    "run_cancelled")
 ATTEMPT_KINDS = ("attempt_dispatched", "attempt_finished", "attempt_recovered")

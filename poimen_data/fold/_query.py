@@ -1,4 +1,4 @@
-"""Episode views: frozen values built from the fold's rows (DESIGN section 4).
+"""Episode views: frozen values built from the fold's rows (docs/DESIGN.md, "Python API").
 
 An ``EpisodeView`` is an owned, immutable value that holds refs, never bodies, and never
 re-reads storage; time travel gives a new value. ``serialize()`` is canonical JSON

@@ -1,4 +1,4 @@
-"""Export for the learning loop (DESIGN section 7): the live-branch trajectory of every
+"""Export for the learning loop (docs/DESIGN.md, "Export"): the live-branch trajectory of every
 run as training data, at one fixed LSN, as chat ``jsonl``, flat ``parquet`` or
 preference ``pairs``.
 

@@ -1,4 +1,4 @@
-"""Record layouts and writers of the export formats (DESIGN section 7), kept apart from the
+"""Record layouts and writers of the export formats (docs/DESIGN.md, "Export"), kept apart from the
 pipeline in ``_export`` so each format's bytes can be read in one place.
 
 Everything that affects bytes is pinned here: JSON is orjson with sorted keys, one record

@@ -1,4 +1,5 @@
-"""Batch grading (DESIGN section 6): verifiers over frozen snapshots, verdicts back to the log.
+"""Batch grading (docs/DESIGN.md, "Grading"): verifiers over frozen snapshots, verdicts back
+to the log.
 
 A run is graded at its latest ``verifying_entered`` LSN. The snapshot is an owned
 ``EpisodeView`` of every branch at that LSN, so a rewind, a cancel or a recovery that

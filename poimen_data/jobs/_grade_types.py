@@ -1,4 +1,4 @@
-"""The types of grading (DESIGN.md, "Grading"): what a verifier gets and returns, and the
+"""The types of grading (docs/DESIGN.md, "Grading"): what a verifier gets and returns, and the
 reports ``grade`` returns. Kept apart from the planner and the executors so both import it.
 """
 

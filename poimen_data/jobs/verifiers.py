@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def live_trajectory(episode: EpisodeView) -> tuple[AttemptView, ...]:
-    """The attempts along the live branch's trajectory (DESIGN section 2), in order.
+    """The attempts along the live branch's trajectory (docs/DESIGN.md, "Domain"), in order.
 
     A snapshot's ``BranchView`` holds only the attempts its branch recorded, so the
     trajectory is rebuilt from the parents: the parent's trajectory restricted to

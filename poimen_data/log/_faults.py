@@ -1,5 +1,5 @@
 """Fault points for crash tests: with ``POIMEN_CRASH_AT=<point>`` in the environment the
-process exits (``os._exit(137)``) when it reaches that point (DESIGN section 4).
+process exits (``os._exit(137)``) when it reaches that point (docs/DESIGN.md, "Python API").
 
 A commit writes its bodies and segment on I/O threads, so when one point fires another
 write may be under way. The process then dies once the writes already started have

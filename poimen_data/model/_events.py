@@ -1,4 +1,4 @@
-"""Event classes, value types, the Arrow event schema and validation (DESIGN section 2).
+"""Event classes, value types, the Arrow event schema and validation (docs/DESIGN.md, "Domain").
 
 Every change to a run is one of the frozen event dataclasses below. A transaction
 validates each event on append (``validate_event``) and turns the batch into one Arrow
@@ -30,7 +30,7 @@ ATTEMPT_STATES = ("dispatched", "succeeded", "failed", "cancelled", "timed_out")
 TERMINAL_ATTEMPT_STATES = ("succeeded", "failed", "cancelled", "timed_out")
 RUN_OUTCOMES = ("succeeded", "failed")
 
-# cost_usd is money: stored exactly, so sums are deterministic (DESIGN section 3).
+# cost_usd is money: stored exactly, so sums are deterministic (docs/DESIGN.md, "Storage format").
 COST_TYPE = pa.decimal128(18, 9)
 COST_QUANTUM = Decimal("0.000000001")
 
