@@ -13,15 +13,17 @@ from poimen_data.errors import (
     LeaseHeld,
     NotFound,
     PoimenError,
+    StorageError,
     TenantMismatch,
     ValidationError,
+    WritersActive,
 )
 from poimen_data.fold._fold import connect
 from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, check, episode
 from poimen_data.fold._state import materialize
 from poimen_data.jobs._export import ExportProgress, ExportReport, export_live
 from poimen_data.jobs._grade import GradeReport, Verdict, VerifierCtx, grade
-from poimen_data.jobs._maint import compact, reduce, vacuum
+from poimen_data.jobs._maint import break_lease, compact, reduce, vacuum
 from poimen_data.log._blobs import BlobStore, FsBlobStore
 from poimen_data.log._log import CommitInfo, EventLog, Transaction, open_log
 from poimen_data.model._events import BlobRef, ContextPartition, ToolInfo, Usage
@@ -44,6 +46,7 @@ __all__ = [
     "LeaseHeld",
     "NotFound",
     "PoimenError",
+    "StorageError",
     "TenantMismatch",
     "ToolInfo",
     "Transaction",
@@ -51,6 +54,8 @@ __all__ = [
     "ValidationError",
     "Verdict",
     "VerifierCtx",
+    "WritersActive",
+    "break_lease",
     "check",
     "compact",
     "connect",
