@@ -134,6 +134,12 @@ class Transaction:
             self.log.storage.write_new(path, data)
         crash_point(point)
 
+    def flush(self) -> None:
+        """Wait until the bodies put so far are on storage (``put_blob`` writes them in
+        the background); raise the first write error. ``commit`` does this itself."""
+        self._check_open()
+        self._join_io()
+
     def _join_io(self) -> None:
         """Wait for this transaction's files in flight; raise the first write error."""
         errors = [exc for f in self._io if (exc := f.exception()) is not None]
