@@ -4,8 +4,11 @@ S3 faults are real HTTP answers of the moto server on 127.0.0.1 (``s3_faults``).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import BUCKET, Root, S3Endpoint, S3Faults, snapshot_files
@@ -93,6 +96,17 @@ def test_break_lease_removes_a_dead_holders_lease(root: Root) -> None:
     assert log.storage.read_or_none(LEASE) is None
     assert pdm.break_lease(log) is None
     assert pdm.vacuum(log).staging_removed == 0
+    if root.backend == "local":  # the CLI: show, then break with a warning
+        log.storage.write(LEASE, b'{"owner": "dead-job", "expires": 1e12}')
+        r = CliRunner().invoke(app, ["lease", "--root", root.url, "--json"])
+        assert r.exit_code == 0 and '"owner": "dead-job"' in r.stdout, r.output
+        assert log.storage.read_or_none(LEASE) is not None
+        r = CliRunner().invoke(app, ["lease", "--break", "--root", root.url, "--json"])
+        assert r.exit_code == 0 and '"broken": true' in r.stdout, r.output
+        assert "warning: breaking the maintenance lease" in r.stderr
+        assert log.storage.read_or_none(LEASE) is None
+        r = CliRunner().invoke(app, ["vacuum", "--grace", "0", "--root", root.url])
+        assert r.exit_code == 0, r.output
 
 
 # --- F: a 503 storm is bounded by the retry deadline ------------------------------------
@@ -175,3 +189,35 @@ def test_vacuum_grace_0_refuses_while_a_writer_is_staged_and_forcing_never_jams(
     assert fresh.blobs.get(ref) == b"fresh body g" and fresh.lost_bodies() == {}
     pdm.vacuum(fresh, grace=0)
     _assert_consistent(proc_root.open())
+
+
+# --- a full disk while writing a manifest or checkpoint temp file ----------------------
+
+_FULL_DISK_CHILD = """
+import errno, os, resource, signal, sys
+import poimen_data as pdm
+log = pdm.open_log(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE,
+                   (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+for what in ("put_if_absent", "write"):
+    try:
+        getattr(log.storage, what)("_log/%s.json" % what, b"x" * 100_000)
+    except OSError as exc:
+        print(what, errno.errorcode[exc.errno])
+"""
+
+
+def test_a_failed_temp_file_write_leaves_no_temp_file(tmp_path: Path) -> None:
+    """ENOSPC (here EFBIG, from a file-size limit: the same failed ``write``) on a
+    manifest's or the pointer's temp file leaves nothing under ``_log/`` for vacuum."""
+    root = str(tmp_path / "log")
+    log = pdm.open_log(root)
+    with log.transaction() as tx:
+        tx.append(E.RunStarted("acme", "run-x", "wf"))
+    before = sorted(log.storage.list_dir("_log"))
+    res = subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, root],
+                         capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    assert res.stdout.decode().split("\n")[:2] == ["put_if_absent EFBIG", "write EFBIG"]
+    assert sorted(log.storage.list_dir("_log")) == before
