@@ -176,7 +176,7 @@ def test_vacuum_grace_0_refuses_while_a_writer_is_staged_and_forcing_never_jams(
     with pytest.raises(pdm.NotFound, match="lost"):
         after.blobs.get(ref)
     assert after.write_checkpoint() == 1  # checkpoints are not deferred for good
-    for i in range(3):
+    for _ in range(3):
         with after.transaction() as tx:
             tx.append(E.AttemptFinished("acme", "run-g", 0, "s", 1, "failed"))
     assert pdm.compact(after, min_rows=10).rewritten == 4
