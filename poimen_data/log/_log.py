@@ -674,9 +674,9 @@ class EventLog:
                     # here. The PUT may have landed; look once for our txn, then give up
                     # (abort leaves the files to vacuum's reachability check).
                     self._unknown.add(txn)
-                    mine = self._find_own(txn)
-                    if mine is not None:
-                        return mine
+                    own = self._find_own(txn)
+                    if own is not None:
+                        return own
                     raise CommitConflict(f"txn {txn}: storage kept failing: {exc}") from exc
                 if won:
                     self._state.apply(m)
