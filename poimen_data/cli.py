@@ -542,6 +542,9 @@ def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits
                      "events": m.n_events, "blobs": len(blobs),
                      "bytes": seg + sum(b.size for b in blobs), "ts": m.ts})
     shown = rows[-limit:]
+    for (tenant, sha), seq in sorted(log.lost_bodies().items()):
+        err.print(f"warning: body {tenant}/{sha} committed at seq {seq} is lost (missing "
+                  "from staging and blobs/); reading it fails", markup=False)
     if as_json:
         emit_json(shown)
         return

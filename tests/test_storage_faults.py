@@ -65,6 +65,8 @@ def test_a_lost_committed_body_fails_only_its_reader(proc_root: Root) -> None:
     if proc_root.backend == "local":
         r = CliRunner().invoke(app, ["log", "--root", proc_root.url])
         assert r.exit_code == 0, r.output
+        assert f"warning: body {lost.tenant}/{lost.sha256} committed at seq 2 is lost" \
+            in r.stderr
 
 
 # --- E: the lease's own conditional PUT, stored but answered 500 ------------------------

@@ -15,7 +15,7 @@ from poimen_data.log._manifest import blob_path
 from poimen_data.model._events import BlobRef, check_ref
 
 if TYPE_CHECKING:
-    from poimen_data.log._log import EventLog
+    from poimen_data.log._internals import LogInternals
 
 
 @runtime_checkable
@@ -28,7 +28,7 @@ class BlobStore(Protocol):
 class FsBlobStore:
     """The blob store of one ``EventLog``."""
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: LogInternals) -> None:
         self._log = log
 
     def __repr__(self) -> str:

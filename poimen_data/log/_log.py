@@ -392,7 +392,7 @@ class EventLog:
         """True when a publish of ``txn`` failed without telling whether it landed."""
         return txn in self._unknown
 
-    def publish(self, make: Any, txn: str) -> Manifest:
+    def publish(self, make: Callable[[int, int], Manifest], txn: str) -> Manifest:
         """Publish ``make(seq, first_lsn)`` at the next free seq (see ``_publish``)."""
         return self._publish(make, txn)
 

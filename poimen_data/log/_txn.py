@@ -1,7 +1,7 @@
 """Transactions: a batch of blobs and events that becomes visible at once, or not at all.
 
 A transaction stages its new bodies, validates its events, writes them as one segment and
-asks the log to publish the manifest (``EventLog._publish``); see README "Committing".
+asks the log to publish the manifest (``LogInternals.publish``); see README "Committing".
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from poimen_data.model._arrow import check_conformed, conform_table, events_to_t
 from poimen_data.storage import CHECK_POOL, IO_POOL
 
 if TYPE_CHECKING:
-    from poimen_data.log._log import EventLog
+    from poimen_data.log._internals import LogInternals
 
 BlobKey = tuple[str, str]  # (tenant, sha256)
 _logger = logging.getLogger("poimen_data")
@@ -60,7 +60,7 @@ class CommitInfo:
 class Transaction:
     """A batch of blobs and events that becomes visible at once, or not at all."""
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: LogInternals) -> None:
         self.log = log
         self.txn = uuid.uuid4().hex
         self._events: list[ev.Event] = []
