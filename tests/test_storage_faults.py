@@ -223,3 +223,26 @@ def test_a_failed_temp_file_write_leaves_no_temp_file(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr.decode()[-2000:]
     assert res.stdout.decode().split("\n")[:2] == ["put_if_absent EFBIG", "write EFBIG"]
     assert sorted(log.storage.list_dir("_log")) == before
+
+
+@pytest.mark.s3
+def test_flush_after_a_failing_staging_delete_raises_a_poimen_error(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The promotion copies a body to ``blobs/`` and deletes its staged copy; when that
+    DELETE keeps failing, ``flush()`` raises ``StorageError`` (a ``PoimenError``), and the
+    body stays readable."""
+    prefix, log = _s3_log(s3, retry_deadline_s=0.5)
+    s3_faults.add("DELETE", "", "unavailable")
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"a body whose staged copy stays")
+        tx.append(E.AttemptDispatched("acme", "run-d", 0, "s", 0, 1, prompt=ref))
+    with pytest.raises(pdm.StorageError, match="kept failing"):
+        log.flush()
+    assert s3_faults.fired() >= 1
+    s3_faults.clear()
+    assert log.blobs.get(ref) == b"a body whose staged copy stays"
+    assert proc_open_head(s3, prefix) == 1
+
+
+def proc_open_head(s3: S3Endpoint, prefix: str) -> int:
+    return pdm.open_log(f"s3://{BUCKET}/{prefix}", storage_options=s3.storage_options).head
