@@ -10,7 +10,9 @@ import asyncio
 from typing import Any
 
 import fsspec.asyn
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
+from s3fs.core import S3_RETRYABLE_ERRORS
 
 from poimen_data.storage._base import Storage
 
@@ -21,6 +23,8 @@ _TRANSIENT_CODES = frozenset({
     "OperationAborted",
 })
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+# dropped connections and timeouts, as botocore, aiohttp or s3fs raise them
+_RETRYABLE = (*S3_RETRYABLE_ERRORS, BotoConnectionError, TimeoutError, asyncio.TimeoutError)
 
 
 def s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
@@ -57,14 +61,16 @@ class S3Storage(Storage):
         self.fs.retries = 1
 
     def transient(self, exc: BaseException) -> bool:
-        if isinstance(exc, ClientError):
-            code, status = _status(exc)
+        """5xx, throttling and dropped connections; never a missing key, a refused
+        condition, missing credentials or a bad request."""
+        answer = exc if isinstance(exc, ClientError) else exc.__cause__  # s3fs translates
+        if isinstance(answer, ClientError):
+            code, status = _status(answer)
             return status >= 500 or status == 429 or code in _TRANSIENT_CODES
-        if isinstance(exc, FileNotFoundError | FileExistsError | PermissionError
-                      | IsADirectoryError | NotADirectoryError):
-            return False
-        # connection errors and timeouts (botocore's, aiohttp's, or translated by s3fs)
-        return isinstance(exc, BotoCoreError | OSError | TimeoutError | asyncio.TimeoutError)
+        if isinstance(exc, _RETRYABLE):
+            return True
+        # s3fs's translation of an answer it has no better type for
+        return type(exc) is OSError
 
     def _call(self, op: str, path: str, **kw: Any) -> Any:
         """One request for one key; a missing key is ``FileNotFoundError``, a refused
