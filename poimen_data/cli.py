@@ -435,11 +435,46 @@ def compact(target_rows: Annotated[int | None, typer.Option(
 def vacuum(grace: Annotated[float | None, typer.Option(
                help="Seconds an unreferenced file must be old before removal "
                     "(0: now; only when no writer is active).")] = None,
+           force: Annotated[bool, typer.Option(
+               help="With a grace under 10 s, remove files of writers that look active "
+                    "(only when every writer is known dead).")] = False,
            root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Remove uncommitted staging, unreferenced bodies and superseded segments."""
     log = open_root(root)
-    r = pdm.vacuum(log) if grace is None else pdm.vacuum(log, grace=grace)
+    r = pdm.vacuum(log, force=force) if grace is None else \
+        pdm.vacuum(log, grace=grace, force=force)
     emit_json(r) if as_json else out.print(kv_table("vacuum", r))
+
+
+@command("lease", "poimen lease --break")
+def lease(break_: Annotated[bool, typer.Option(
+              "--break", help="Remove the lease whoever holds it (only when its holder "
+                              "is known dead).")] = False,
+          root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Show who holds the maintenance lease (vacuum, reduce, compact), or break it."""
+    import time
+
+    from poimen_data.jobs._maint import LEASE
+
+    log = open_root(root)
+    raw = log.storage.read_or_none(LEASE)
+    held: dict[str, Any] | None = None
+    if raw is not None:
+        try:
+            held = json.loads(raw)
+        except ValueError:
+            held = {"damaged": raw.decode("utf-8", "replace")}
+    if break_ and held is not None:
+        err.print("warning: breaking the maintenance lease; if its holder is still running, "
+                  "it stops at its next check, but a step under way finishes and may "
+                  "overlap the next maintenance job", markup=False)
+        pdm.break_lease(log)
+    doc = {"held": held is not None and not break_,
+           "owner": (held or {}).get("owner"),
+           "expires_in_s": round(float((held or {}).get("expires", 0)) - time.time(), 1)
+           if isinstance((held or {}).get("expires"), int | float) else None,
+           "broken": bool(break_ and held is not None)}
+    emit_json(doc) if as_json else out.print(kv_table("lease", doc))
 
 
 def _summarize(keep: int) -> Callable[[bytes], bytes]:
@@ -507,6 +542,9 @@ def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits
                      "events": m.n_events, "blobs": len(blobs),
                      "bytes": seg + sum(b.size for b in blobs), "ts": m.ts})
     shown = rows[-limit:]
+    for (tenant, sha), seq in sorted(log.lost_bodies().items()):
+        err.print(f"warning: body {tenant}/{sha} committed at seq {seq} is lost (missing "
+                  "from staging and blobs/); reading it fails", markup=False)
     if as_json:
         emit_json(shown)
         return

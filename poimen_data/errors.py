@@ -32,12 +32,24 @@ class LeaseHeld(PoimenError):
     """Another process holds the maintenance lease (vacuum, reduce, compact)."""
 
 
+class StorageError(PoimenError, OSError):
+    """Storage kept failing until the retry deadline passed (the operation may or may
+    not have taken effect; the commit protocol resolves which)."""
+
+
+class WritersActive(PoimenError):
+    """``vacuum`` with a grace shorter than a live writer's pause was refused: other
+    writers left files moments ago (pass ``force=True`` if they are known dead)."""
+
+
 __all__ = [
     "CommitConflict",
     "CorruptionError",
     "LeaseHeld",
     "NotFound",
     "PoimenError",
+    "StorageError",
     "TenantMismatch",
     "ValidationError",
+    "WritersActive",
 ]

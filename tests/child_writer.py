@@ -78,6 +78,7 @@ def paused_commit(log: pdm.EventLog, run_id: str, body: bytes) -> None:
     with log.transaction() as tx:
         ref = tx.put_blob("acme", body)
         tx.append(E.AttemptDispatched("acme", run_id, 0, "s", 0, 1, prompt=ref))
+        tx.flush()  # "staged" means on storage: put_blob writes in the background
         sys.stdout.write("staged\n")
         sys.stdout.flush()
         sys.stdin.readline()

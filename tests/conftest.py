@@ -14,6 +14,9 @@ import pytest
 import poimen_data as pdm
 
 BUCKET = "poimen-test"
+# Never let botocore's credential chain probe the cloud instance-metadata address (children
+# inherit this); every S3 client in the tests gets test credentials and a loopback endpoint.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 
 #: Whole files of the slow tier: other processes, notebooks, the bench, Dask clusters,
@@ -83,6 +86,84 @@ def s3() -> Iterator[S3Endpoint]:
 
 
 _PUT_LOCK = threading.Lock()
+
+
+@dataclass
+class S3Faults:
+    """Faults the moto server injects into its real HTTP answers (on 127.0.0.1): a rule
+    matches a method and a key suffix and either answers ``unavailable`` (503 SlowDown,
+    nothing done) or ``lost-answer`` (the request takes effect, the answer is a 500).
+    ``times`` limits how often a rule fires (None: always); ``requests`` counts what the
+    server saw per method while any rule was installed."""
+
+    rules: list[dict[str, Any]]
+    requests: dict[str, int]
+
+    def add(self, method: str, suffix: str, action: str, times: int | None = None) -> None:
+        assert action in ("unavailable", "lost-answer")
+        with _FAULT_LOCK:
+            self.rules.append({"method": method, "suffix": suffix, "action": action,
+                               "times": times, "fired": 0})
+
+    def fired(self) -> int:
+        return sum(r["fired"] for r in self.rules)
+
+    def clear(self) -> None:
+        with _FAULT_LOCK:
+            self.rules.clear()
+
+    def decide(self, method: str, path: str) -> str | None:
+        with _FAULT_LOCK:
+            if not self.rules:
+                return None
+            self.requests[method] = self.requests.get(method, 0) + 1
+            for r in self.rules:
+                if r["method"] == method and path.endswith(r["suffix"]) \
+                        and (r["times"] is None or r["fired"] < r["times"]):
+                    r["fired"] += 1
+                    return str(r["action"])
+        return None
+
+
+_FAULT_LOCK = threading.Lock()
+_FAULTS = S3Faults([], {})
+_ERROR_XML = ('<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+              "<Message>injected by the test</Message></Error>")
+
+
+def _install_fault_hook() -> None:
+    """Wrap moto's key handler so the server answers as ``_FAULTS`` says."""
+    from urllib.parse import urlparse
+
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response.key_response, "_poimen_faults", False):
+        return
+    original = S3Response.key_response
+
+    def key_response(self: S3Response, request: Any, full_url: str, headers: Any) -> Any:
+        action = _FAULTS.decide(request.method, urlparse(full_url).path)
+        if action == "unavailable":
+            return 503, {"Content-Type": "application/xml"}, _ERROR_XML.format(code="SlowDown")
+        resp = original(self, request, full_url, headers)
+        if action == "lost-answer" and resp[0] < 300:
+            return 500, {"Content-Type": "application/xml"}, \
+                _ERROR_XML.format(code="InternalError")
+        return resp
+
+    key_response._poimen_faults = True  # type: ignore[attr-defined]
+    S3Response.key_response = key_response  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def s3_faults(s3: S3Endpoint) -> Iterator[S3Faults]:
+    """Fault rules for the session's moto server, removed after the test."""
+    _install_fault_hook()
+    _FAULTS.clear()
+    _FAULTS.requests.clear()
+    yield _FAULTS
+    _FAULTS.clear()
+    _FAULTS.requests.clear()
 
 
 def _make_moto_conditional_put_atomic() -> None:

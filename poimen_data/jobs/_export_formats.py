@@ -9,25 +9,20 @@ row group per export batch (batches are cut by a pure function of the rows).
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import itertools
 import os
-import queue
-import threading
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from decimal import Decimal
 from typing import Any, BinaryIO
 
-import fsspec
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
-from fsspec.implementations.local import LocalFileSystem
 
+from poimen_data.errors import ValidationError
 from poimen_data.model._events import COST_QUANTUM, COST_TYPE
+from poimen_data.storage import AtomicWriter, open_storage
 
 USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens",
                 "reasoning_tokens", "cost_usd", "latency_ms")
@@ -299,126 +294,17 @@ SLOTS: dict[str, tuple[str, ...]] = {k: w.slots for k, w in (
 
 # --- where the bytes go ------------------------------------------------------------------
 
-_SINK_CHUNK = 1 << 19
-_SINK_QUEUE = 2
-
-
-class Sink:
-    """A binary file at a temporary name next to ``dest`` (any fsspec URL), moved onto
-    ``dest`` only when the block exits cleanly, so a failed export leaves nothing there.
-
-    Writes are joined into 512 KiB blocks for one writer thread that hashes and writes
-    them (both release the GIL, and a large block needs the GIL back only twice, so the
-    thread does not queue behind the encoder for every small piece); the queue is
-    bounded, so memory is too.
-    """
-
-    def __init__(self, dest: str, storage_options: dict[str, Any] | None) -> None:
-        self.fs, self.path = fsspec.core.url_to_fs(dest, **(storage_options or {}))
-        self.local = isinstance(self.fs, LocalFileSystem)
-        if self.local:
-            self.path = os.path.abspath(self.path)
-        self.url = self.path if self.local else self.fs.unstrip_protocol(self.path)
-        parent, _, name = self.path.rpartition("/")
-        self.tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else \
-            f".{name}.{uuid.uuid4().hex}.tmp"
-        self.bytes = 0
-        self.sha256 = ""
-        self._hash = hashlib.sha256()
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._queue: queue.Queue[bytes | None] = queue.Queue(_SINK_QUEUE)
-        self._error: BaseException | None = None
-        self._f: Any = None
-        self._thread = threading.Thread(target=self._drain, name="poimen-export-writer",
-                                        daemon=True)
-
-    def __enter__(self) -> Sink:
-        if self.local:
-            os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
-            self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in __exit__
-        else:
-            self._f = self.fs.open(self.tmp, "wb")
-        self._thread.start()
-        return self
-
-    def _drain(self) -> None:
-        try:
-            while (block := self._queue.get()) is not None:
-                self._hash.update(block)
-                self._f.write(block)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the exporting thread
-            self._error = exc
-            while self._queue.get() is not None:
-                pass
-
-    # the file-like surface that pyarrow and the JSON writers use
-    def write(self, data: Any) -> int:
-        if self._error is not None:
-            raise self._error
-        if not isinstance(data, bytes):
-            data = bytes(data)  # a view of a buffer its owner (pyarrow) may reuse
-        n = len(data)
-        self._pending.append(data)
-        self._pending_bytes += n
-        self.bytes += n
-        if self._pending_bytes >= _SINK_CHUNK:
-            self._flush_pending()
-        return n
-
-    def _flush_pending(self) -> None:
-        if self._pending:
-            self._queue.put(b"".join(self._pending))
-            self._pending, self._pending_bytes = [], 0
-
-    def tell(self) -> int:
-        return self.bytes
-
-    def flush(self) -> None:
-        pass
-
-    @property
-    def closed(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return True
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self._flush_pending()
-        self._pending = []
-        self._queue.put(None)
-        self._thread.join()
-        if exc_type is not None:
-            self._discard()
-            return
-        try:
-            if self._error is not None:
-                raise self._error
-            if self.local:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-                self._f.close()
-                os.replace(self.tmp, self.path)
-            else:
-                self._f.close()
-                self.fs.mv(self.tmp, self.path)
-        except BaseException:
-            self._discard()
-            raise
-        self.sha256 = self._hash.hexdigest()
-
-    def _discard(self) -> None:
-        """Drop the temporary file; an unfinished S3 upload is aborted, never completed."""
-        f = self._f
-        with contextlib.suppress(Exception):
-            if hasattr(f, "discard") and not self.local:
-                f.discard()
-            if not f.closed:
-                f.close()
-        with contextlib.suppress(OSError):
-            if self.local:
-                os.unlink(self.tmp)
-            elif self.fs.exists(self.tmp):
-                self.fs.rm_file(self.tmp)
+def Sink(dest: str, storage_options: dict[str, Any] | None) -> AtomicWriter:  # noqa: N802
+    """The writer of an export: a file at a temporary name next to ``dest`` (any fsspec
+    URL), moved onto ``dest`` only when the ``with`` block exits cleanly, so a failed
+    export leaves nothing there. It is the storage layer's streamed hashing writer,
+    opened on the destination's folder (the only fsspec user is ``storage``)."""
+    if "://" in dest:
+        proto, _, path = dest.partition("://")
+        parent, _, name = path.rstrip("/").rpartition("/")
+        folder = f"{proto}://{parent}"
+    else:
+        folder, name = os.path.split(os.path.abspath(dest))
+    if not name:
+        raise ValidationError(f"export: {dest!r} names no file")
+    return open_storage(folder, storage_options).open_atomic(name)

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from poimen_data.errors import CorruptionError, LeaseHeld, NotFound, ValidationError
+from poimen_data.errors import CorruptionError, LeaseHeld, NotFound, ValidationError, WritersActive
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
 from poimen_data.log._txn import now_iso
@@ -39,6 +39,9 @@ _logger = logging.getLogger("poimen_data")
 LEASE_TTL_S = 600.0
 DEFAULT_GRACE_S = 3600.0
 COMPACT_TARGET_ROWS = 100_000
+# A writer's uncommitted file younger than this means it may be alive (between staging and
+# publishing): vacuum with a shorter grace refuses to run (see ``vacuum``'s ``force``).
+WRITER_ACTIVE_S = 10.0
 
 
 class Lease:
@@ -68,19 +71,26 @@ class Lease:
 
     def acquire(self, renew: bool = True) -> None:
         st = self.log.storage
-        if not st.put_if_absent(LEASE, self._body()):
+        if not st.put_if_absent(LEASE, self._body()) and not self._ours():
             held = _read_lease(self.log)
             if held is not None and held.get("expires", 0) > self.clock():
                 raise LeaseHeld(f"{self.log.root}: maintenance lease held by "
                                 f"{held.get('owner')} for "
                                 f"{held['expires'] - self.clock():.0f} s more")
             st.delete(LEASE)
-            if not st.put_if_absent(LEASE, self._body()):
+            if not st.put_if_absent(LEASE, self._body()) and not self._ours():
                 raise LeaseHeld(f"{self.log.root}: maintenance lease taken by another process")
         if renew:
             self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
                                              name="poimen-lease")
             self._renewer.start()
+
+    def _ours(self) -> bool:
+        """Whether the lease file is the one we just wrote: a conditional PUT whose answer
+        was lost (stored, then the retry refused) must not read as someone else's lease."""
+        held = _read_lease(self.log)
+        return held is not None and held.get("owner") == self.owner \
+            and held.get("expires") == self.expires
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -147,6 +157,21 @@ def lease(log: EventLog, ttl_s: float = LEASE_TTL_S, *, renew: bool = True,
         held.release()
 
 
+def break_lease(log: LogLike, *,
+                storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Remove the maintenance lease whoever holds it; returns what it said (None when
+    there was none). Only for a holder known dead (a killed job keeps it for its TTL): a
+    live holder's next ``check()`` sees the lease gone and stops before its next
+    destructive step, but a step already under way finishes."""
+    log = as_log(log, storage_options=storage_options)
+    held = _read_lease(log)
+    raw = log.storage.read_or_none(LEASE)
+    if raw is None:
+        return None
+    log.storage.delete(LEASE)
+    return held if held is not None else {"damaged": raw.decode("utf-8", "replace")}
+
+
 def _read_lease(log: EventLog) -> dict[str, Any] | None:
     """The lease document, or None when absent or unreadable (a damaged lease counts as
     expired: it names no live holder)."""
@@ -198,11 +223,8 @@ def reduce(
                     skipped.append(r)
                     continue
                 key = (r.tenant, r.sha256)
-                with log._lock:  # every stored copy, before the reduction forgets them
-                    st = log._state
-                    copies[key] = {blob_path(*key)} | {
-                        p for p in (st.pending.get(key), st.recommitted.get(key, (0, None))[1])
-                        if p}
+                # every stored copy, before the reduction forgets them
+                copies[key] = log.stored_copies(key)
                 out = summarize(body)
                 if not isinstance(out, bytes | str):
                     raise ValidationError(f"reduce: summarize must return bytes or str, got "
@@ -243,7 +265,8 @@ class VacuumReport:
 
 
 def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
-           grace: float = DEFAULT_GRACE_S, retention: float | None = None) -> VacuumReport:
+           grace: float = DEFAULT_GRACE_S, retention: float | None = None,
+           force: bool = False) -> VacuumReport:
     """Remove what no retained manifest reaches, once older than ``grace`` seconds.
 
     - staging of commits that never published (a crash, an abort) is removed; staging of
@@ -255,6 +278,10 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     - bodies in ``blobs/`` that no manifest covers, or whose last mention is a reduction;
     - temp files under ``_log/`` that a writer died with (before its link or rename).
     ``grace=0`` removes all of that at once: safe only when no other writer is active.
+    With a grace under ``WRITER_ACTIVE_S`` (10 s), vacuum refuses (``WritersActive``,
+    nothing removed) while an uncommitted file younger than that exists: a writer may be
+    between staging and publishing. ``force=True`` removes them anyway (a body lost so is
+    an error for its readers only; the log stays openable).
     """
     log = as_log(log, storage_options=storage_options)
     retention = grace if retention is None else retention
@@ -264,9 +291,10 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         # List first, then read the manifests: a file listed here whose commit published
         # before the read below is seen as committed.
         staging = st.list_dir("_staging")
+        staged_files = {txn: list(st.walk_files(f"_staging/{txn}")) for txn in staging}
         # temp files of a dead writer: a manifest's before its link, a pointer's or the
         # lease's before its rename (local disk only: S3 and memory write in one request)
-        temps = [] if st.kind != "local" else (
+        temps = [] if not st.leaves_temp_files else (
             [n for n in st.list_dir("") if ".tmp-" in n]
             + [f"_log/{n}" for n in st.list_dir("_log") if ".tmp-" in n])
         seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
@@ -275,7 +303,7 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         log.refresh()
         manifests = list(log.manifests())
         committed = {m.txn: m for m in manifests}
-        live_segments = set(log._state.segments)
+        live_segments = {s.path for s in log.segments()}
         listed: set[str] = set()
         superseded_at: dict[str, str] = {}
         latest: dict[tuple[str, str], str] = {}  # body -> "commit" | "reduce"
@@ -292,10 +320,22 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
             t = st.mtime(rel)
             return t is None or now - t >= limit
 
+        if grace < WRITER_ACTIVE_S and not force:
+            uncommitted = [f for txn, fs in staged_files.items() if txn not in committed
+                           for f in fs]
+            uncommitted += [p for p in seg_files if p not in listed] + temps
+            young_ones = [f for f in uncommitted if not old(f, WRITER_ACTIVE_S)]
+            if young_ones:
+                raise WritersActive(
+                    f"{log.root}: vacuum(grace={grace:g}) refused: {len(young_ones)} "
+                    f"uncommitted file(s) younger than {WRITER_ACTIVE_S:g} s (e.g. "
+                    f"{young_ones[0]}) may belong to a live writer; retry later, use a "
+                    "longer grace, or force=True if every writer is known dead")
+
         removed = promoted = segs = bodies = nbytes = young = 0
         for txn in staging:
             held.check()  # cheap: reads the lease at most every TTL/10
-            files = list(st.walk_files(f"_staging/{txn}"))
+            files = staged_files[txn]
             if txn in committed:
                 for b in committed[txn].blobs:
                     if b.staged is None or not st.exists(b.staged):
@@ -427,7 +467,7 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         txn = uuid.uuid4().hex
         new: list[SegmentInfo] = []
         for i, g in enumerate(groups):
-            table = pa.concat_tables([log._segment_table(s) for s in g]).cast(ev.LOG_SCHEMA)
+            table = pa.concat_tables([log.segment_table(s) for s in g]).cast(ev.LOG_SCHEMA)
             table = table.combine_chunks()  # one record batch, not one per old segment
 
             def fill(sink: Any, table: pa.Table = table) -> None:
@@ -445,7 +485,7 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
                             ts=now_iso(), segments=tuple(new), supersedes=gone)
 
         held.check()
-        m = log._publish(make, txn)
+        m = log.publish(make, txn)
         log.write_checkpoint()
     return CompactReport(before, before - len(gone) + len(new), len(gone), len(new), m.seq)
 

@@ -15,7 +15,7 @@ from poimen_data.log._manifest import blob_path
 from poimen_data.model._events import BlobRef, check_ref
 
 if TYPE_CHECKING:
-    from poimen_data.log._log import EventLog
+    from poimen_data.log._internals import LogInternals
 
 
 @runtime_checkable
@@ -28,7 +28,7 @@ class BlobStore(Protocol):
 class FsBlobStore:
     """The blob store of one ``EventLog``."""
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: LogInternals) -> None:
         self._log = log
 
     def __repr__(self) -> str:
@@ -47,13 +47,13 @@ class FsBlobStore:
         for fresh in (False, True):
             if fresh:
                 self._log.refresh()
-            reduced, staged = self._log._blob_location(key)
+            reduced, staged = self._log.blob_location(key)
             if reduced:
                 return None
             # A body committed again after a reduction lives in its staging area; any
             # other body is in blobs/, or still in staging until its promotion (which may
             # move it between two reads: hence blobs/ once more at the end).
-            if staged is not None and key in self._log._state.recommitted:
+            if staged is not None and self._log.is_recommitted(key):
                 places = [staged, home]
             elif staged is not None:
                 places = [home, staged, home]
@@ -63,6 +63,11 @@ class FsBlobStore:
                 data = self._log.storage.read_or_none(rel)
                 if data is not None:
                     return self._verified(ref, data, rel)
+        seq = self._log.lost_seq(key)
+        if seq is not None or staged is not None:  # NotFound still: a reader's error only
+            when = f" (seq {seq})" if seq is not None else ""
+            raise NotFound(f"body {ref.tenant}/{ref.sha256} was committed{when} but is "
+                           "missing from staging and from blobs/: lost")
         raise NotFound(f"no committed body for ref {ref.tenant}/{ref.sha256}")
 
     def exists(self, ref: BlobRef) -> bool:

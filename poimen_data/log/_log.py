@@ -13,7 +13,9 @@ import atexit
 import hashlib
 import logging
 import os
+import random
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -27,6 +29,7 @@ from poimen_data.errors import (
     CorruptionError,
     NotFound,
     PoimenError,
+    StorageError,
     ValidationError,
 )
 from poimen_data.log._blobs import FsBlobStore
@@ -45,15 +48,12 @@ from poimen_data.log._manifest import (
 )
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
-from poimen_data.storage._storage import BackgroundPool, Storage
+from poimen_data.storage import DEFAULT_RETRY_DEADLINE_S, PROMOTE_POOL, Storage, open_storage
 
 DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
-MAX_AMBIGUOUS = 5
 _logger = logging.getLogger("poimen_data")
 _LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
-# Promotions of all logs of this process, one at a time (a commit's bodies in order).
-_PROMOTER = BackgroundPool("poimen-promote", 1)
 
 
 def _forget_promotions() -> None:
@@ -93,6 +93,9 @@ class _State:
         self.recommitted: dict[BlobKey, tuple[int, str]] = {}
         # staged bodies of manifests read since the last checkpoint: not known promoted
         self.pending: dict[BlobKey, str] = {}
+        # committed bodies found missing from staging and blobs/ (body -> seq): an error
+        # for their readers only; a later commit of the same body repairs it
+        self.lost: dict[BlobKey, int] = {}
         self.manifests_since_checkpoint: list[Manifest] = []
         self.checkpoint_seq = 0
 
@@ -127,6 +130,7 @@ class _State:
                 if key in self.reduced:
                     self.recommitted[key] = (m.seq, b.staged)
                 self.pending[key] = b.staged
+                self.lost.pop(key, None)
             elif key in self.reduced and key not in self.recommitted:
                 # reused a reduced body: the writer must have staged it (see commit)
                 raise CorruptionError(f"{manifest_path(m.seq)}: reuses a reduced body")
@@ -141,7 +145,7 @@ class _State:
         return key in self.reduced and key not in self.recommitted
 
     def to_checkpoint(self, segments_file: dict[str, Any]) -> dict[str, Any]:
-        return {
+        doc = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "seq": self.seq,
@@ -151,6 +155,9 @@ class _State:
             "recommitted": sorted([t, sha, s, p]
                                   for (t, sha), (s, p) in self.recommitted.items()),
         }
+        if self.lost:  # only when there is damage: an intact log's checkpoint is unchanged
+            doc["lost"] = sorted([t, sha, s] for (t, sha), s in self.lost.items())
+        return doc
 
     def segments_table(self) -> pa.Table:
         segs = sorted(self.segments.values(), key=lambda s: s.first_lsn)
@@ -174,6 +181,7 @@ class _State:
         st._loader = loader
         st.reduced = {(t, sha): s for t, sha, s in d["reduced"]}
         st.recommitted = {(t, sha): (s, p) for t, sha, s, p in d["recommitted"]}
+        st.lost = {(t, sha): s for t, sha, s in d.get("lost", ())}
         return st
 
 
@@ -336,6 +344,70 @@ class EventLog:
         return staged is not None and (self.storage.exists(staged)
                                        or self.storage.exists(blob_path(*key)))
 
+    # -- the commit protocol's interface (``LogInternals``) ------------------------
+    # What transactions, the blob store and maintenance use; nothing else of the log's
+    # private state is theirs to touch.
+
+    def blob_location(self, key: BlobKey) -> tuple[bool, str | None]:
+        """(reduced, staged path or None) for a body, as of the last refresh."""
+        return self._blob_location(key)
+
+    def body_present(self, key: BlobKey) -> bool:
+        """True when a committed, unreduced body is there to be reused without upload."""
+        return self._body_present(key)
+
+    def is_reduced(self, key: BlobKey) -> bool:
+        """Reduced by its latest mention (a body committed again since is not)."""
+        with self._lock:
+            return self._state.is_reduced(key)
+
+    def ever_reduced(self, key: BlobKey) -> bool:
+        """Reduced at some seq, whether or not it was committed again since."""
+        with self._lock:
+            return key in self._state.reduced
+
+    def is_recommitted(self, key: BlobKey) -> bool:
+        """Committed again after a reduction: its body lives in that commit's staging."""
+        with self._lock:
+            return key in self._state.recommitted
+
+    def stored_copies(self, key: BlobKey) -> set[str]:
+        """Every path a committed body may be stored under (``blobs/`` and staging)."""
+        with self._lock:
+            st = self._state
+            return {blob_path(*key)} | {
+                p for p in (st.pending.get(key), st.recommitted.get(key, (0, None))[1]) if p}
+
+    def lost_bodies(self) -> dict[BlobKey, int]:
+        """Committed bodies found missing (body -> seq of the commit that lost it), as
+        of what this process has seen: for ``poimen log`` and checks."""
+        with self._lock:
+            return dict(self._state.lost)
+
+    def lost_seq(self, key: BlobKey) -> int | None:
+        with self._lock:
+            return self._state.lost.get(key)
+
+    def publish_unknown(self, txn: str) -> bool:
+        """True when a publish of ``txn`` failed without telling whether it landed."""
+        return txn in self._unknown
+
+    def publish(self, make: Callable[[int, int], Manifest], txn: str) -> Manifest:
+        """Publish ``make(seq, first_lsn)`` at the next free seq (see ``_publish``)."""
+        return self._publish(make, txn)
+
+    def after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
+        """Promote a just-published commit's bodies (see ``_after_publish``)."""
+        self._after_publish(m, keep_staging=keep_staging)
+
+    def maybe_checkpoint(self, seq: int) -> None:
+        """Checkpoint when ``seq`` is a multiple of the interval."""
+        self._maybe_checkpoint(seq)
+
+    def segment_table(self, s: SegmentInfo) -> pa.Table:
+        """A live segment's events as a LOG_SCHEMA table, verified against its manifest."""
+        return self._segment_table(s)
+
     # -- transactions -------------------------------------------------------------
 
     def transaction(self) -> Transaction:
@@ -451,10 +523,13 @@ class EventLog:
                 if self._state.is_reduced(key):
                     continue  # reduced meanwhile: the reducer removed it, as it should
                 if not self.storage.exists(dst):
-                    raise CorruptionError(
-                        f"{self.storage.url_of(b.staged)}: committed body missing from "
-                        "staging and from blobs/"
-                    ) from None
+                    # lost (deleted by hand, or by vacuum(grace=0, force=True) under a
+                    # live writer): an error for its readers only, never for the log
+                    _logger.warning("%s: committed body (seq %d) missing from staging and "
+                                    "from blobs/; reading it will fail",
+                                    self.storage.url_of(b.staged), m.seq)
+                    with self._lock:
+                        self._state.lost.setdefault(key, m.seq)
 
     def _after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
         """Promote a just-published commit's bodies on a background thread (renames on
@@ -464,19 +539,23 @@ class EventLog:
         if not any(b.staged for b in m.blobs):
             crash_point("blobs_promoted")
             return
-        if self.storage.kind == "memory":
+        if not self.storage.background_io:
             self._promote_commit(m, keep_staging)
             return
         with self._lock:
             _LIVE_LOGS.add(self)
-            self._promotions.append(_PROMOTER.submit(self._promote_commit, m,
-                                                          keep_staging))
+            self._promotions.append(PROMOTE_POOL.submit(self._promote_commit, m,
+                                                        keep_staging))
 
     def _promote_commit(self, m: Manifest, keep_staging: bool) -> None:
         self._promote(m)
         self._promoted.add(m.txn)
-        if self.storage.kind != "s3" and not keep_staging:  # S3 has no directories
-            self.storage.delete_tree(f"_staging/{m.txn}")
+        if self.storage.has_directories and not keep_staging:  # S3 has no empty folders
+            try:
+                self.storage.delete_tree(f"_staging/{m.txn}")
+            except OSError as exc:  # housekeeping: the next open or vacuum removes it
+                _logger.warning("%s: removing the promoted staging of txn %s failed: %s",
+                                self.root, m.txn, exc)
         crash_point("blobs_promoted")
 
     def flush(self) -> None:
@@ -484,7 +563,13 @@ class EventLog:
         with self._lock:
             pending, self._promotions = self._promotions, []
         for f in pending:
-            f.result()
+            try:
+                f.result()
+            except PoimenError:
+                raise
+            except OSError as exc:  # a PoimenError for the caller, never a raw OSError
+                raise StorageError(f"{self.root}: promoting committed bodies failed "
+                                   f"(the next open rolls them forward): {exc}") from exc
 
     def _roll_forward(self) -> int:
         """Promote bodies of committed manifests whose writer died before promoting them."""
@@ -545,6 +630,17 @@ class EventLog:
 
     # -- publishing ---------------------------------------------------------------
 
+    def _find_own(self, txn: str) -> Manifest | None:
+        """Our manifest if an ambiguous publish landed after all (None when storage is
+        still failing: then nobody can tell)."""
+        before = self._state.seq
+        try:
+            self.refresh()
+        except OSError:
+            return None
+        return next((m for m in self._state.manifests_since_checkpoint
+                     if m.seq > before and m.txn == txn), None)
+
     def _publish(self, make: Any, txn: str) -> Manifest:
         """Publish the manifest ``make(seq, first_lsn)`` at the next free seq.
 
@@ -552,8 +648,9 @@ class EventLog:
         (a PUT whose answer was lost, then retried and refused); finding our ``txn`` there
         means the commit landed, and it is never published twice.
         """
-        ambiguous = 0
         for attempt in range(MAX_COMMIT_ATTEMPTS):
+            if attempt > 1:  # lost the race twice: writers that collide spread out
+                time.sleep(random.uniform(0.0, min(0.1, 0.001 * 2 ** min(attempt, 20))))
             with self._lock:
                 # Optimistic first try at the head we know: if another commit took that
                 # seq, put-if-absent fails and we read what we missed; if it succeeds,
@@ -571,13 +668,16 @@ class EventLog:
                 try:
                     won = self.storage.put_if_absent(name, m.to_bytes())
                 except (OSError, TimeoutError) as exc:
-                    if self.storage.kind != "s3":
+                    if not self.storage.ambiguous_errors:
                         raise  # a local error is not ambiguous: it did not land
+                    # The storage's retry layer spent its deadline: no second retry loop
+                    # here. The PUT may have landed; look once for our txn, then give up
+                    # (abort leaves the files to vacuum's reachability check).
                     self._unknown.add(txn)
-                    ambiguous += 1
-                    if ambiguous > MAX_AMBIGUOUS:
-                        raise CommitConflict(f"txn {txn}: storage kept failing") from exc
-                    continue  # the next round re-reads and looks for our txn
+                    own = self._find_own(txn)
+                    if own is not None:
+                        return own
+                    raise CommitConflict(f"txn {txn}: storage kept failing: {exc}") from exc
                 if won:
                     self._state.apply(m)
                     return m
@@ -595,6 +695,7 @@ def open_log(
     checkpoint_interval: int | None = None,
     durable: bool = True,
     read_only: bool = False,
+    retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
 ) -> EventLog:
     """Open (or create) the log under ``root``: a local path or any fsspec URL.
 
@@ -602,10 +703,14 @@ def open_log(
     need thousands of commits); a power loss may then lose recent commits.
     ``read_only=True`` never writes: no roll-forward at open, no transactions (workers
     that only read a snapshot).
+    ``retry_deadline_s`` bounds the time one storage operation spends retrying a failing
+    object store (exponential backoff with jitter); past it the operation raises
+    ``StorageError`` (or the commit ``CommitConflict``).
     """
     if isinstance(root, EventLog):
         return root
-    storage = Storage(os.fspath(root), storage_options, durable=durable)
+    storage = open_storage(root, storage_options, durable=durable,
+                           retry_deadline_s=retry_deadline_s)
     try:
         raw = storage.read_or_none("_poimen.json")
     except (OSError, ValueError) as exc:

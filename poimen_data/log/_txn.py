@@ -1,7 +1,7 @@
 """Transactions: a batch of blobs and events that becomes visible at once, or not at all.
 
 A transaction stages its new bodies, validates its events, writes them as one segment and
-asks the log to publish the manifest (``EventLog._publish``); see README "Committing".
+asks the log to publish the manifest (``LogInternals.publish``); see README "Committing".
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from poimen_data.log._faults import crash_point, write_in_flight
 from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import check_conformed, conform_table, events_to_table, table_refs
-from poimen_data.storage._storage import IO_POOL, BackgroundPool
+from poimen_data.storage import CHECK_POOL, IO_POOL
 
 if TYPE_CHECKING:
-    from poimen_data.log._log import EventLog
+    from poimen_data.log._internals import LogInternals
 
 BlobKey = tuple[str, str]  # (tenant, sha256)
 _logger = logging.getLogger("poimen_data")
 # A bulk table of this many rows or more is checked on a thread while the commit writes
 # its segment (its ValidationError is then raised by commit, not by extend).
 BACKGROUND_CHECK_ROWS = 50_000
-_CHECKS = BackgroundPool("poimen-check", 2)
 # put_blob writes bodies in the background, but at most this many (or bytes) at a time
 # per transaction: memory stays bounded and one busy writer does not starve the others
 MAX_IO_IN_FLIGHT = 8
@@ -48,6 +47,9 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
+_now_iso = now_iso  # the former name (other branches may still import it)
+
+
 @dataclass(frozen=True, slots=True)
 class CommitInfo:
     seq: int | None
@@ -58,7 +60,7 @@ class CommitInfo:
 class Transaction:
     """A batch of blobs and events that becomes visible at once, or not at all."""
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: LogInternals) -> None:
         self.log = log
         self.txn = uuid.uuid4().hex
         self._events: list[ev.Event] = []
@@ -110,7 +112,7 @@ class Transaction:
         ref = ev.BlobRef(tenant, sha, len(data))
         if key in self._staged or key in self._reused:
             return ref
-        if self.log._body_present(key):
+        if self.log.body_present(key):
             self._reused[key] = data
             return ref
         self._stage(key, data, wait=False)
@@ -119,7 +121,7 @@ class Transaction:
     def _stage(self, key: BlobKey, data: bytes, *, wait: bool = True) -> None:
         path = staged_blob_path(self.txn, *key)
         self._staged[key] = BlobEntry(key[0], key[1], len(data), path)
-        if wait or self.log.storage.kind == "memory":
+        if wait or not self.log.storage.background_io:
             self._write_new(path, data, "blob_staged")
         else:  # written while the caller goes on; commit waits for it before publishing
             if len(self._io) >= MAX_IO_IN_FLIGHT or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
@@ -131,6 +133,12 @@ class Transaction:
         with write_in_flight():
             self.log.storage.write_new(path, data)
         crash_point(point)
+
+    def flush(self) -> None:
+        """Wait until the bodies put so far are on storage (``put_blob`` writes them in
+        the background); raise the first write error. ``commit`` does this itself."""
+        self._check_open()
+        self._join_io()
 
     def _join_io(self) -> None:
         """Wait for this transaction's files in flight; raise the first write error."""
@@ -165,7 +173,7 @@ class Transaction:
                 self._failed = exc
                 raise
             if not self._tables and not self._events and t.num_rows \
-                    and self.log.storage.kind != "memory":
+                    and self.log.storage.background_io:
                 # Speculation: the first table is usually the whole commit, so its segment
                 # is written while it is checked; commit discards it if more events came.
                 self._segment_written = True
@@ -173,7 +181,7 @@ class Transaction:
                 self._io.append(future)
                 self._spec = (t, future)
             if t.num_rows >= BACKGROUND_CHECK_ROWS:
-                self._checks.append(_CHECKS.submit(check_conformed, t, where))
+                self._checks.append(CHECK_POOL.submit(check_conformed, t, where))
             else:
                 try:
                     check_conformed(t, where)
@@ -210,7 +218,7 @@ class Transaction:
             if not f.cancelled():
                 f.exception()
         self._io, self._io_bytes = [], 0
-        if self.txn in self.log._unknown:
+        if self.log.publish_unknown(self.txn):
             return  # it may have landed: leave its files to vacuum's reachability check
         if self._staged:
             self.log.storage.delete_tree(f"_staging/{self.txn}")
@@ -227,9 +235,9 @@ class Transaction:
             key = (ref.tenant, ref.sha256)
             if key in mine:
                 continue
-            if not self.log._body_present(key):
+            if not self.log.body_present(key):
                 self.log.refresh()  # committed by another process since we last looked?
-            if not self.log._body_present(key):
+            if not self.log.body_present(key):
                 self._failed = ValidationError(
                     f"event ref {ref.sha256[:12]}… of tenant {ref.tenant!r}: no committed "
                     "body (put it with tx.put_blob in this transaction)"
@@ -247,7 +255,7 @@ class Transaction:
         home = blob_path(*key)
         size = self.log.storage.size(home)
         if size is None:
-            _reduced, staged = self.log._blob_location(key)
+            _reduced, staged = self.log.blob_location(key)
             size = self.log.storage.size(staged) if staged else None
             if size is None:
                 size = self.log.storage.size(home)
@@ -274,7 +282,7 @@ class Transaction:
             if table is not None:
                 self._check_refs()
             self._join_io()  # every body and the segment are on storage (and fsynced)
-            m = self.log._publish(lambda seq, first: self._manifest(seq, first, seg, table),
+            m = self.log.publish(lambda seq, first: self._manifest(seq, first, seg, table),
                                   self.txn)
         except BaseException:
             self.abort()
@@ -283,8 +291,8 @@ class Transaction:
         self.commit_info = CommitInfo(m.seq, m.first_lsn, m.last_lsn)
         crash_point("manifest_published")
         try:  # the commit has landed: what follows is housekeeping a later open redoes
-            self.log._after_publish(m, keep_staging=self._has_kept_staging(m))
-            self.log._maybe_checkpoint(m.seq)
+            self.log.after_publish(m, keep_staging=self._has_kept_staging(m))
+            self.log.maybe_checkpoint(m.seq)
         except Exception as exc:  # noqa: BLE001
             _logger.warning("commit seq %d landed; promotion or checkpoint deferred: %s",
                             m.seq, exc)
@@ -302,7 +310,7 @@ class Transaction:
             raise self._failed
 
     def _has_kept_staging(self, m: Manifest) -> bool:
-        return any(b.staged and (b.tenant, b.sha256) in self.log._state.reduced
+        return any(b.staged and self.log.ever_reduced((b.tenant, b.sha256))
                    for b in m.blobs)
 
     def _segment_for(self, table: pa.Table) -> SegmentInfo:
@@ -341,7 +349,7 @@ class Transaction:
         # A body reused at put time may have been reduced since: stage it ourselves now,
         # before the publish, so this commit never points at a body a reducer deletes.
         for key, data in list(self._reused.items()):
-            if self.log._state.is_reduced(key) or not self.log._body_present(key):
+            if self.log.is_reduced(key) or not self.log.body_present(key):
                 del self._reused[key]
                 self._stage(key, data)
         blobs = [self._staged[k] for k in sorted(self._staged)]

@@ -1,0 +1,231 @@
+"""Local disk: temp file + fsync + ``os.link`` for put-if-absent (``link`` fails if the name
+is taken), temp file + ``os.replace`` for whole-file writes, ``O_EXCL`` for new files.
+Local errors are never retried: they are not transient, and they are not ambiguous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from poimen_data.errors import NotFound
+from poimen_data.storage._base import PARALLEL_HASH_BYTES, Storage
+from poimen_data.storage._writer import AtomicWriter, HashingSink
+
+
+class LocalStorage(Storage):
+    kind = "local"
+    durable_fsync = True
+    leaves_temp_files = True
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.root = os.path.abspath(self.root)
+        self._dirs: set[str] = set()  # directories known to exist (blobs/<t>/<aa>, ...)
+
+    def url_of(self, rel: str) -> str:
+        return self.full(rel)
+
+    def _makedirs(self, d: str) -> None:
+        if d not in self._dirs:
+            os.makedirs(d, exist_ok=True)
+            if len(self._dirs) < 100_000 and "/_staging" not in d:  # staging dirs come and go
+                self._dirs.add(d)
+
+    # -- reads ----------------------------------------------------------------------
+
+    def _read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def exists(self, rel: str) -> bool:
+        self.calls["exists"] += 1
+        return os.path.exists(self.full(rel))
+
+    def _size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def mtime(self, rel: str) -> float | None:
+        try:
+            return os.stat(self.full(rel)).st_mtime
+        except FileNotFoundError:
+            return None
+
+    def walk_files(self, rel: str) -> Iterator[str]:
+        self.calls["list"] += 1
+        base = self.full(rel)
+        if not os.path.isdir(base):
+            return
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                yield os.path.relpath(os.path.join(dirpath, name), self.root)
+
+    def list_dir(self, rel: str) -> list[str]:
+        self.calls["list"] += 1
+        try:
+            return sorted(os.listdir(self.full(rel)))
+        except FileNotFoundError:
+            return []
+
+    def invalidate(self, rel: str = "") -> None:
+        pass
+
+    # -- writes ---------------------------------------------------------------------
+
+    def _write_temp(self, tmp: str, data: bytes | pa.Buffer, durable: bool) -> None:
+        """Write ``tmp`` whole (and fsync); on any failure (ENOSPC) leave no temp behind."""
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def write(self, rel: str, data: bytes, *, durable: bool | None = None) -> None:
+        path = self.full(rel)
+        self._makedirs(os.path.dirname(path))
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        self._write_temp(tmp, data, self.durable if durable is None else durable)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def write_new(self, rel: str, data: bytes | pa.Buffer) -> None:
+        path = self.full(rel)
+        self._makedirs(os.path.dirname(path))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with open(fd, "wb", closefd=False) as f:
+                f.write(data)
+            if self.durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+
+    def write_hashed(self, rel: str, fill: Callable[[Any], None],
+                     size_hint: int = 0) -> tuple[int, str]:
+        """A large file streams straight into the file (no in-memory copy) while a thread
+        hashes the same buffers in order, finishing during the fsync."""
+        if size_hint < PARALLEL_HASH_BYTES:
+            return super().write_hashed(rel, fill, size_hint)
+        path = self.full(rel)
+        self._makedirs(os.path.dirname(path))
+        f = open(path, "xb")  # noqa: SIM115 - closed below; a name already there is not ours
+        sink = HashingSink(f)
+        try:
+            with f:
+                fill(sink)
+                f.flush()
+                if self.durable:
+                    os.fsync(f.fileno())  # the hash thread catches up meanwhile
+            sha = sink.finish()
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        return sink.size, sha
+
+    def put_if_absent(self, rel: str, data: bytes) -> bool:
+        path = self.full(rel)
+        d = os.path.dirname(path)
+        self._makedirs(d)
+        tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
+        self._write_temp(tmp, data, self.durable)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        if self.durable:
+            _fsync_dir(d)
+        return True
+
+    def delete(self, rel: str, *, check: bool = True) -> bool:
+        try:
+            os.unlink(self.full(rel))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def delete_tree(self, rel: str) -> int:
+        with contextlib.suppress(OSError):  # empty (a promoted txn's staging): done
+            os.rmdir(self.full(rel))
+            return 0
+        n = sum(self.delete(f) for f in list(self.walk_files(rel)))
+        for dirpath, _dirs, _files in os.walk(self.full(rel), topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+        return n
+
+    def move(self, src: str, dst: str) -> None:
+        dpath = self.full(dst)
+        try:
+            os.replace(self.full(src), dpath)
+        except FileNotFoundError:
+            if not os.path.exists(self.full(src)):
+                raise NotFound(f"no such file: {self.url_of(src)}") from None
+            os.makedirs(os.path.dirname(dpath), exist_ok=True)
+            os.replace(self.full(src), dpath)
+
+    def copy(self, src: str, dst: str) -> None:
+        dpath = self.full(dst)
+        os.makedirs(os.path.dirname(dpath), exist_ok=True)
+        tmp = f"{dpath}.tmp-{uuid.uuid4().hex}"
+        try:
+            os.link(self.full(src), tmp)
+        except FileNotFoundError:
+            raise NotFound(f"no such file: {self.url_of(src)}") from None
+        os.replace(tmp, dpath)
+
+    def open_atomic(self, rel: str) -> AtomicWriter:
+        path = self.full(rel)
+        parent, _, name = path.rpartition("/")
+        tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
+
+        def open_tmp() -> Any:
+            os.makedirs(parent, exist_ok=True)
+            return open(tmp, "wb")  # noqa: SIM115 - closed by publish or discard
+
+        def publish(f: Any) -> None:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, path)
+
+        def discard(f: Any) -> None:
+            with contextlib.suppress(Exception):
+                f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+        return AtomicWriter(path, open_tmp, publish, discard)
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

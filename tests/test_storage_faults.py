@@ -1,0 +1,248 @@
+"""Faults the log must survive (issue 16 D, E, F, G): a lost committed body, a lost answer
+on the lease's conditional PUT, a 503 storm, and ``vacuum(grace=0)`` under a live writer.
+S3 faults are real HTTP answers of the moto server on 127.0.0.1 (``s3_faults``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import BUCKET, Root, S3Endpoint, S3Faults, snapshot_files
+from test_log_processes import _assert_consistent, _child
+from test_maint import _release, _start, _wait_for
+from typer.testing import CliRunner
+
+import poimen_data as pdm
+from poimen_data import events as E
+from poimen_data.cli import app
+from poimen_data.jobs._maint import LEASE, lease
+
+
+def _s3_log(s3: S3Endpoint, **kw: object) -> tuple[str, pdm.EventLog]:
+    prefix = uuid.uuid4().hex
+    return prefix, pdm.open_log(f"s3://{BUCKET}/{prefix}", storage_options=s3.storage_options,
+                                **kw)  # type: ignore[arg-type]
+
+
+# --- D: a lost committed body is an error for its reader only ---------------------------
+
+
+def test_a_lost_committed_body_fails_only_its_reader(proc_root: Root) -> None:
+    log = proc_root.open()
+    with log.transaction() as tx:
+        kept = tx.put_blob("acme", b"a body nobody loses")
+        tx.append(E.AttemptDispatched("acme", "run-a", 0, "s", 0, 1, prompt=kept))
+    # a writer publishes, then dies before promoting its staged bodies ...
+    res = _child(proc_root, "crash", "run-c", crash_at="manifest_published")
+    assert res.returncode == 137, res.stderr.decode()[-2000:]
+    m = log.read_manifest(2)
+    staged = [b for b in m.blobs if b.staged is not None]
+    assert len(staged) == 2
+    # ... and one of them is then lost from under the log
+    lost = staged[0]
+    assert log.storage.delete(lost.staged)
+    after = proc_root.open()  # rolls forward what is there; used to raise CorruptionError
+    assert after.head == 3
+    assert after.lost_bodies() == {(lost.tenant, lost.sha256): 2}
+    ref = pdm.BlobRef(lost.tenant, lost.sha256, lost.size)
+    with pytest.raises(pdm.NotFound, match=r"committed \(seq 2\) but is missing.*lost"):
+        after.blobs.get(ref)
+    other = staged[1]
+    assert after.blobs.get(pdm.BlobRef(other.tenant, other.sha256, other.size)) is not None
+    assert after.blobs.get(kept) == b"a body nobody loses"
+    con = pdm.connect(after)
+    assert con.execute("select count(*) from attempts").fetchone() == (2,)
+    assert pdm.vacuum(after).staging_removed == 0  # maintenance goes on
+    assert after.write_checkpoint() == 2
+    again = proc_root.open()  # the checkpoint carries what was lost
+    assert again.lost_bodies() == {(lost.tenant, lost.sha256): 2}
+    with pytest.raises(pdm.NotFound, match="lost"):
+        again.blobs.get(ref)
+    if proc_root.backend == "local":
+        r = CliRunner().invoke(app, ["log", "--root", proc_root.url])
+        assert r.exit_code == 0, r.output
+        assert f"warning: body {lost.tenant}/{lost.sha256} committed at seq 2 is lost" \
+            in r.stderr
+
+
+# --- E: the lease's own conditional PUT, stored but answered 500 ------------------------
+
+
+@pytest.mark.s3
+def test_a_lost_answer_on_the_lease_put_is_recognized_as_our_lease(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    prefix, log = _s3_log(s3)
+    with log.transaction() as tx:
+        tx.append(E.RunStarted("acme", "run-e", "wf"))
+    s3_faults.add("PUT", f"/{prefix}/{LEASE}", "lost-answer", times=1)
+    report = pdm.vacuum(log)  # used to raise LeaseHeld naming its own owner
+    assert s3_faults.fired() == 1
+    assert report == pdm.jobs._maint.VacuumReport()
+    assert log.storage.read_or_none(LEASE) is None  # released
+    # another holder's lease still excludes us
+    with lease(log, renew=False) as held:
+        with pytest.raises(pdm.LeaseHeld, match=held.owner):
+            pdm.vacuum(log)
+
+
+def test_break_lease_removes_a_dead_holders_lease(root: Root) -> None:
+    log = root.open()
+    log.storage.write(LEASE, b'{"owner": "dead-job", "expires": 1e12}')
+    with pytest.raises(pdm.LeaseHeld, match="dead-job"):
+        pdm.vacuum(log)
+    assert pdm.break_lease(log) == {"owner": "dead-job", "expires": 1e12}
+    assert log.storage.read_or_none(LEASE) is None
+    assert pdm.break_lease(log) is None
+    assert pdm.vacuum(log).staging_removed == 0
+    if root.backend == "local":  # the CLI: show, then break with a warning
+        log.storage.write(LEASE, b'{"owner": "dead-job", "expires": 1e12}')
+        r = CliRunner().invoke(app, ["lease", "--root", root.url, "--json"])
+        assert r.exit_code == 0 and '"owner": "dead-job"' in r.stdout, r.output
+        assert log.storage.read_or_none(LEASE) is not None
+        r = CliRunner().invoke(app, ["lease", "--break", "--root", root.url, "--json"])
+        assert r.exit_code == 0 and '"broken": true' in r.stdout, r.output
+        assert "warning: breaking the maintenance lease" in r.stderr
+        assert log.storage.read_or_none(LEASE) is None
+        r = CliRunner().invoke(app, ["vacuum", "--grace", "0", "--root", root.url])
+        assert r.exit_code == 0, r.output
+
+
+# --- F: a 503 storm is bounded by the retry deadline ------------------------------------
+
+
+@pytest.mark.s3
+def test_a_503_storm_is_bounded_by_the_retry_deadline(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    prefix, log = _s3_log(s3, retry_deadline_s=1.0)
+    with log.transaction() as tx:
+        tx.append(E.RunStarted("acme", "run-f", "wf"))
+    before = snapshot_files(log)
+    s3_faults.add("PUT", "", "unavailable")  # every PUT of every key
+    start = time.monotonic()
+    with pytest.raises(pdm.PoimenError) as info:
+        with log.transaction() as tx:
+            ref = tx.put_blob("acme", b"a body that never lands")
+            tx.append(E.AttemptDispatched("acme", "run-f", 0, "s", 0, 1, prompt=ref))
+    elapsed = time.monotonic() - start
+    puts = s3_faults.requests.get("PUT", 0)
+    s3_faults.clear()
+    assert isinstance(info.value, pdm.StorageError | pdm.CommitConflict)
+    assert "kept failing" in str(info.value)
+    # two writes (body, segment) of one second each, on a loaded machine: far from the
+    # 224 s and ~340 PUTs of three stacked retry loops
+    assert elapsed < 30, elapsed
+    assert 2 <= puts <= 80, puts
+    assert snapshot_files(log) == before
+    with log.transaction() as tx:  # storage is back: commits go on
+        tx.append(E.RunStarted("acme", "run-f2", "wf"))
+    assert log.head == 2
+
+
+@pytest.mark.s3
+def test_one_503_on_the_manifest_put_is_retried_once(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    prefix, log = _s3_log(s3)
+    s3_faults.add("PUT", f"/{prefix}/_log/{1:020d}.json", "lost-answer", times=1)
+    with log.transaction() as tx:  # stored, answered 500, retried: 412; found as ours
+        tx.append(E.RunStarted("acme", "run-m", "wf"))
+    assert s3_faults.fired() == 1
+    assert tx.commit_info == pdm.CommitInfo(1, 1, 1)
+    assert log.head_seq == 1
+
+
+# --- G: vacuum(grace=0) under a live writer ----------------------------------------------
+
+
+def test_vacuum_grace_0_refuses_while_a_writer_is_staged_and_forcing_never_jams(
+        proc_root: Root) -> None:
+    log = proc_root.open()
+    writer = _start(proc_root, "paused", "run-g", "fresh body g")
+    try:
+        _wait_for(writer, b"staged")
+        before = snapshot_files(log)
+        with pytest.raises(pdm.WritersActive, match="_staging/"):
+            pdm.vacuum(log, grace=0)
+        assert snapshot_files(log) == before  # refused before removing anything
+        # the documented misuse, forced: the writer's staged body goes
+        assert pdm.vacuum(log, grace=0, force=True).staging_removed == 1
+    finally:
+        _release(writer)  # it publishes a manifest naming the body it lost
+    after = proc_root.open()
+    assert after.head == 1
+    row = after.read_events().to_pylist()[0]
+    ref = pdm.BlobRef(row["prompt"]["tenant"], row["prompt"]["sha256"], row["prompt"]["size"])
+    with pytest.raises(pdm.NotFound, match="lost"):
+        after.blobs.get(ref)
+    assert after.write_checkpoint() == 1  # checkpoints are not deferred for good
+    for _ in range(3):
+        with after.transaction() as tx:
+            tx.append(E.AttemptFinished("acme", "run-g", 0, "s", 1, "failed"))
+    assert pdm.compact(after, min_rows=10).rewritten == 4
+    # committing the same body again repairs it
+    with after.transaction() as tx:
+        again = tx.put_blob("acme", b"fresh body g")
+        tx.append(E.AttemptDispatched("acme", "run-h", 0, "s", 0, 1, prompt=again))
+    assert again == ref
+    fresh = proc_root.open()
+    assert fresh.blobs.get(ref) == b"fresh body g" and fresh.lost_bodies() == {}
+    pdm.vacuum(fresh, grace=0)
+    _assert_consistent(proc_root.open())
+
+
+# --- a full disk while writing a manifest or checkpoint temp file ----------------------
+
+_FULL_DISK_CHILD = """
+import errno, os, resource, signal, sys
+import poimen_data as pdm
+log = pdm.open_log(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE,
+                   (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+for what in ("put_if_absent", "write"):
+    try:
+        getattr(log.storage, what)("_log/%s.json" % what, b"x" * 100_000)
+    except OSError as exc:
+        print(what, errno.errorcode[exc.errno])
+"""
+
+
+def test_a_failed_temp_file_write_leaves_no_temp_file(tmp_path: Path) -> None:
+    """ENOSPC (here EFBIG, from a file-size limit: the same failed ``write``) on a
+    manifest's or the pointer's temp file leaves nothing under ``_log/`` for vacuum."""
+    root = str(tmp_path / "log")
+    log = pdm.open_log(root)
+    with log.transaction() as tx:
+        tx.append(E.RunStarted("acme", "run-x", "wf"))
+    before = sorted(log.storage.list_dir("_log"))
+    res = subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, root],
+                         capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    assert res.stdout.decode().split("\n")[:2] == ["put_if_absent EFBIG", "write EFBIG"]
+    assert sorted(log.storage.list_dir("_log")) == before
+
+
+@pytest.mark.s3
+def test_flush_after_a_failing_staging_delete_raises_a_poimen_error(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The promotion copies a body to ``blobs/`` and deletes its staged copy; when that
+    DELETE keeps failing, ``flush()`` raises ``StorageError`` (a ``PoimenError``), and the
+    body stays readable."""
+    prefix, log = _s3_log(s3, retry_deadline_s=0.5)
+    s3_faults.add("DELETE", "", "unavailable")
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"a body whose staged copy stays")
+        tx.append(E.AttemptDispatched("acme", "run-d", 0, "s", 0, 1, prompt=ref))
+    with pytest.raises(pdm.StorageError, match="kept failing"):
+        log.flush()
+    assert s3_faults.fired() >= 1
+    s3_faults.clear()
+    assert log.blobs.get(ref) == b"a body whose staged copy stays"
+    assert proc_open_head(s3, prefix) == 1
+
+
+def proc_open_head(s3: S3Endpoint, prefix: str) -> int:
+    return pdm.open_log(f"s3://{BUCKET}/{prefix}", storage_options=s3.storage_options).head
