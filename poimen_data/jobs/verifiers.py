@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from poimen_data.jobs._grade import Verdict, VerifierCtx
+from poimen_data.jobs._grade_types import Verdict, VerifierCtx
 
 if TYPE_CHECKING:
     from poimen_data.fold._query import AttemptView, EpisodeView
@@ -24,28 +24,54 @@ def live_trajectory(episode: EpisodeView) -> tuple[AttemptView, ...]:
     ``step_index < fork_step_index``, then the branch's own attempts. Needs an episode
     read with ``all_branches=True`` when the live branch is a fork (grading always is).
     """
+    return tuple(a for _b, a in live_trajectory_branches(episode))
+
+
+def live_trajectory_branches(episode: EpisodeView) -> tuple[tuple[int, AttemptView], ...]:
+    """``live_trajectory`` with the branch that recorded each attempt:
+    (branch_id, attempt) pairs, in trajectory order."""
     by_id = {b.branch_id: b for b in episode.branches}
 
     def walk(branch_id: int, depth: int) -> tuple[Any, ...]:
         b = by_id.get(branch_id)
         if b is None or depth > len(by_id):
             return ()
+        own = tuple((b.branch_id, a) for a in b.attempts)
         if b.parent_branch_id is None or b.fork_step_index is None:
-            return tuple(b.attempts)
-        inherited = tuple(a for a in walk(b.parent_branch_id, depth + 1)
+            return own
+        inherited = tuple((pb, a) for pb, a in walk(b.parent_branch_id, depth + 1)
                           if a.step_index is not None and a.step_index < b.fork_step_index)
-        return inherited + tuple(b.attempts)
+        return inherited + own
 
     return walk(episode.live_branch, 0)
 
 
 def last_attempts(episode: EpisodeView) -> tuple[AttemptView, ...]:
     """The last attempt of every step on the live trajectory, in trajectory order."""
+    return tuple(a for _b, a in last_attempts_branches(episode))
+
+
+def last_attempts_branches(episode: EpisodeView) -> tuple[tuple[int, AttemptView], ...]:
+    """``last_attempts`` with the branch that recorded each: (branch_id, attempt) pairs."""
     last: dict[str, Any] = {}
-    for a in live_trajectory(episode):
+    for b, a in live_trajectory_branches(episode):
         last.pop(a.step, None)
-        last[a.step] = a
+        last[a.step] = (b, a)
     return tuple(last.values())
+
+
+def judged_attempt(ctx: VerifierCtx) -> AttemptView:
+    """The attempt an attempt-scoped verifier was called for (``ctx.branch``,
+    ``ctx.step``, ``ctx.attempt``), from the frozen snapshot."""
+    if ctx.step is None or ctx.attempt is None or ctx.branch is None:
+        raise ValueError(f"run {ctx.run}: this call grades the run, not one attempt")
+    for b in ctx.episode.branches:
+        if b.branch_id == ctx.branch:
+            for a in b.attempts:
+                if a.step == ctx.step and a.attempt == ctx.attempt:
+                    return a
+    raise LookupError(f"run {ctx.run}: no attempt {ctx.step}#{ctx.attempt} on branch "
+                      f"{ctx.branch} in the snapshot")
 
 
 def exit_code(ctx: VerifierCtx) -> Verdict:
