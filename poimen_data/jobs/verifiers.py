@@ -1,8 +1,9 @@
-"""Two example verifiers, and the live-trajectory helper both use.
+"""Example verifiers, and the live-trajectory helpers they use.
 
 ``exit_code`` grades from attempt states alone and never reads a body: the cheap,
 always-available signal. ``output_mentions`` reads output text through ``ctx.blobs`` and
 shows how a body verifier treats a reduced body (``get`` -> None) as a normal answer.
+``output_is_json`` is attempt-scoped: one verdict per attempt, on the attempt it judged.
 A verifier is any callable ``(VerifierCtx) -> Verdict`` with ``name``/``version``.
 """
 
@@ -143,5 +144,62 @@ def output_mentions(needle: str, *, last_steps: int | None = None,
     return OutputMentions(needle, last_steps=last_steps, name=name)
 
 
-__all__ = ["OutputMentions", "exit_code", "last_attempts", "live_trajectory",
-           "output_mentions"]
+class OutputIsJson:
+    """An attempt-scoped verifier: pass when the attempt's output parses as JSON (a
+    JSON object holding ``keys``, when given): the structured answer the step promised.
+
+    Called once per attempt it applies to (``steps``; every step when None), it reads
+    that attempt's output body and nothing else. No output ref, or a body that was
+    reduced (``get`` -> None), cannot be judged as JSON: not passed, said in ``detail``.
+    """
+
+    scope = "attempt"
+    version = "1"
+
+    def __init__(self, *, keys: tuple[str, ...] = (), steps: tuple[str, ...] | None = None,
+                 attempts: str = "all", name: str = "output_is_json") -> None:
+        self.keys = tuple(keys)
+        if steps is not None:
+            self.steps = tuple(steps)
+        self.attempts = attempts
+        self.name = name
+
+    def __repr__(self) -> str:
+        return (f"OutputIsJson(keys={self.keys!r}, steps={getattr(self, 'steps', None)!r}, "
+                f"attempts={self.attempts!r})")
+
+    def __call__(self, ctx: VerifierCtx) -> Verdict:
+        import json
+
+        a = judged_attempt(ctx)
+        if a.output is None:
+            return Verdict(False, None, f"{a.step}#{a.attempt} ({a.state}): no output")
+        body = ctx.blobs.get(a.output)
+        if body is None:
+            return Verdict(False, None, f"{a.step}#{a.attempt}: output reduced; cannot judge")
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+            return Verdict(False, 0.0, f"{a.step}#{a.attempt}: not JSON: {exc}")
+        if not self.keys:
+            return Verdict(True, 1.0, f"{a.step}#{a.attempt}: parses as JSON")
+        if not isinstance(doc, dict):
+            return Verdict(False, 0.0, f"{a.step}#{a.attempt}: JSON {type(doc).__name__}, "
+                                       "not an object")
+        missing = [k for k in self.keys if k not in doc]
+        score = (len(self.keys) - len(missing)) / len(self.keys)
+        if missing:
+            return Verdict(False, score, f"{a.step}#{a.attempt}: missing keys "
+                                         f"{', '.join(missing)}")
+        return Verdict(True, 1.0, f"{a.step}#{a.attempt}: a JSON object with "
+                                  f"{', '.join(self.keys)}")
+
+
+#: Ready for ``poimen grade --verifier poimen_data.verifiers:output_is_json``: every
+#: terminal attempt's output must parse as JSON.
+output_is_json = OutputIsJson()
+
+
+__all__ = ["OutputIsJson", "OutputMentions", "exit_code", "judged_attempt", "last_attempts",
+           "last_attempts_branches", "live_trajectory", "live_trajectory_branches",
+           "output_is_json", "output_mentions"]
