@@ -405,3 +405,66 @@ def test_a_segment_lacking_a_column_reads_it_as_null(tmp_path: Path) -> None:
     assert read.drop_columns(["summary"]).equals(older)
     with pytest.raises(pdm.CorruptionError, match="seg: .*no column 'kind'"):
         conform_segment(t.drop_columns(["kind"]), "seg")
+
+
+# --- where attempt verdicts show: export, poimen show, poimen grade ---------------------
+
+
+def test_the_export_lists_an_attempt_verdict_on_the_attempt_it_judged(tmp_path: Path) -> None:
+    import orjson
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    _first, snap = rewound(log)
+    grade(log, [Seen(), exit_code])
+    out = tmp_path / "live.jsonl"
+    pdm.export_live(log, str(out), source="log")
+    records = [orjson.loads(line)["metadata"] for line in out.read_bytes().splitlines()]
+    run_verdict = {"verifier": "exit_code@1", "passed": True, "score": 1.0,
+                   "snapshot_lsn": snap}
+
+    def seen(passed: bool) -> dict[str, Any]:
+        return {"verifier": "seen@1", "passed": passed, "score": None, "snapshot_lsn": snap}
+
+    # the live trajectory: plan inherited from branch 0, then branch 1's own attempts
+    assert [(m["branch_id"], m["step_id"], m["attempt_no"], m["verdicts"]) for m in records] == [
+        (0, "plan", 1, [run_verdict, seen(True)]),
+        (1, "code", 1, [run_verdict, seen(False)]),
+        (1, "code", 2, [run_verdict, seen(True)]),
+        (1, "test", 1, [run_verdict, seen(True)])]
+    pdm.materialize(log)
+    again = tmp_path / "state.jsonl"
+    pdm.export_live(log, str(again), source="state")
+    assert again.read_bytes() == out.read_bytes()
+
+
+def test_poimen_show_and_grade_for_both_scopes(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from poimen_data import cli
+
+    root = str(tmp_path / "log")
+    log = pdm.open_log(root)
+    _first, snap = rewound(log)
+    runner = CliRunner()
+    r = runner.invoke(cli.app, ["grade", "--root", root, "--json",
+                                "-v", "poimen_data.verifiers:output_is_json",
+                                "-v", "poimen_data.verifiers:exit_code"],
+                      catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["verdicts_recorded"] == 9
+    assert [(v["verifier"], v["graded"], v["failed"]) for v in report["per_verifier"]] == [
+        ("output_is_json@1", 8, 8), ("exit_code@1", 1, 0)]
+    r = runner.invoke(cli.app, ["show", "r1", "--root", root, "--json"],
+                      catch_exceptions=False)
+    shown = json.loads(r.stdout)["verdicts"]
+    assert len(shown) == 9 and {v["snapshot_lsn"] for v in shown} == {snap}
+    assert [(v["verifier"], v["branch_id"]) for v in shown if v["step_id"] is None] == [
+        ("exit_code@1", 1)]
+    assert sorted((v["branch_id"], v["step_id"], v["attempt_no"]) for v in shown
+                  if v["step_id"] is not None) == sorted((b, s, n) for b, s, n, _ in ALL)
+    r = runner.invoke(cli.app, ["show", "r1", "--root", root], catch_exceptions=False)
+    assert r.exit_code == 0
+    assert "verdicts" in r.stdout and "1/code#2" in r.stdout and "run (branch 1)" in r.stdout
