@@ -468,3 +468,33 @@ def test_poimen_show_and_grade_for_both_scopes(tmp_path: Path) -> None:
     r = runner.invoke(cli.app, ["show", "r1", "--root", root], catch_exceptions=False)
     assert r.exit_code == 0
     assert "verdicts" in r.stdout and "1/code#2" in r.stdout and "run (branch 1)" in r.stdout
+
+
+@pytest.mark.slow
+def test_dask_grades_attempts_like_the_in_process_executor(tmp_path: Path) -> None:
+    distributed = pytest.importorskip("distributed")
+    log = pdm.open_log(str(tmp_path / "log"))
+    _first, snap = rewound(log)
+    record_json_run(log, "r2", [("plan", b'{"plan": 1}'), ("answer", b"4")])
+    last = OutputIsJson(attempts="last_per_step", steps=("plan", "code"), name="last_json")
+    verifiers = [output_is_json, last, exit_code]
+    local = grade(log, verifiers)
+    split = log.head
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        again = grade(log, verifiers, executor=client)
+        remote = grade(log, verifiers, executor=client, force=True)
+    assert again.verdicts_recorded == 0
+    assert local.verdicts_recorded == remote.verdicts_recorded == (8 + 2) + (2 + 1) + 2
+    assert remote.per_verifier == local.per_verifier
+    cols = ("run_id, branch_id, step_id, attempt_no, verifier, snapshot_lsn, passed, score, "
+            "detail")
+    with pdm.connect(log) as con:
+        before, after = (con.execute(f"select {cols} from verdicts where lsn {op} ? "
+                                     f"order by {cols}", [split]).fetchall()
+                         for op in ("<=", ">"))
+    assert after == before and len(before) == 15
+    assert [r[:4] for r in before if r[4] == "last_json@1"] == [
+        ("r1", 0, "plan", 1), ("r1", 1, "code", 2), ("r2", 0, "plan", 1)]
+    assert {r[5] for r in before if r[0] == "r1"} == {snap}
