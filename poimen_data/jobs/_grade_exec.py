@@ -67,8 +67,7 @@ def _snapshots(log: EventLog, tasks: Sequence[GradeTask]) -> dict[str, EpisodeVi
 
 # --- which attempts an attempt-scoped verifier grades ----------------------------------
 
-#: An item of work: a verifier index and, for an attempt-scoped verifier, the attempt
-#: (branch, step, attempt_no) it grades.
+#: The attempt an attempt-scoped verifier grades: (branch_id, step_id, attempt_no).
 AttemptKey = tuple[int, str, int]
 
 
