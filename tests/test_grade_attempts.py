@@ -123,6 +123,7 @@ def test_every_terminal_attempt_of_the_snapshot_is_graded_once(log: pdm.EventLog
 
     again = grade(log, [seen, exit_code])  # idempotent per (run, verifier, snapshot, attempt)
     assert (again.verdicts_recorded, again.runs_graded, again.runs_skipped) == (0, 0, 1)
+    assert again.snapshot_s == 0.0  # the plan saw every attempt graded: no snapshot built
     assert len(seen.calls) == 8
     forced = grade(log, [seen], force=True)
     assert forced.verdicts_recorded == 8
@@ -138,6 +139,8 @@ def test_last_attempt_per_step_of_the_live_trajectory(log: pdm.EventLog) -> None
                                   (1, "test", 1, snap)]
     assert [r[:3] for r in verdict_rows(log, "seen@1")] == [
         (0, "plan", 1), (1, "code", 2), (1, "test", 1)]
+    again = grade(log, [seen])  # owed by the plan (a superset), nothing left to grade
+    assert (again.verdicts_recorded, len(seen.calls)) == (0, 3)
 
 
 def test_a_step_filter_grades_only_those_steps(log: pdm.EventLog) -> None:
@@ -146,6 +149,11 @@ def test_a_step_filter_grades_only_those_steps(log: pdm.EventLog) -> None:
     grade(log, [seen])
     assert sorted(seen.calls) == [(0, "code", 1, snap), (0, "code", 3, snap),
                                   (1, "code", 1, snap), (1, "code", 2, snap)]
+    assert grade(log, [seen]).snapshot_s == 0.0  # the other steps are not owed
+    everything = Seen(name="seen")  # same identity, every step: plan and test are owed
+    assert grade(log, [everything]).verdicts_recorded == 4
+    assert sorted(everything.calls) == [(0, "plan", 1, snap), (0, "test", 1, snap),
+                                        (0, "test", 2, snap), (1, "test", 1, snap)]
 
 
 def test_an_attempt_graded_by_an_interrupted_job_is_not_graded_again(

@@ -47,8 +47,9 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[Verifie
     One query over the ``runs`` view finds them all (never one per run); one more over
     ``verdicts`` finds what is already graded at the same snapshot LSN: a run verdict
     per (run, verifier, snapshot), an attempt verdict per (run, verifier, snapshot,
-    branch, step, attempt). An attempt-scoped verifier stays owed by every run; the
-    executor skips the attempts it already graded once the snapshot shows them.
+    branch, step, attempt). An attempt-scoped verifier is owed by a run until every
+    attempt that was terminal at the snapshot (of its steps) has its verdict; the
+    executor skips the attempts already graded once the snapshot shows them.
     """
     import pyarrow as pa
 
@@ -94,16 +95,47 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[Verifie
                 else:
                     done_attempts.setdefault(run_id, set()).add(
                         (index[name], branch, step, attempt))
+        terminal = _terminal_attempts(con, done_attempts, rows) if done_attempts else {}
     finally:
         con.close()
+
+    def owed(i: int, run_id: str, name: str, lsn: int) -> bool:
+        if scopes[i].scope == "run":
+            return (run_id, name, lsn) not in done
+        if run_id not in done_attempts:
+            return True
+        got, steps = done_attempts[run_id], scopes[i].steps
+        return any((i, *key) not in got for key in terminal[run_id]
+                   if steps is None or key[1] in steps)
+
     tasks = []
     for run_id, tenant, lsn in rows:
-        todo = tuple(i for i, name in enumerate(ids)
-                     if scopes[i].scope == "attempt" or (run_id, name, lsn) not in done)
+        todo = tuple(i for i, name in enumerate(ids) if owed(i, run_id, name, lsn))
         if todo:
             tasks.append(GradeTask(run_id, tenant, int(lsn), todo,
                                    frozenset(done_attempts.get(run_id, ()))))
     return tasks, (asked if runs is not None else len(rows))
+
+
+def _terminal_attempts(con: Any, runs: dict[str, Any], rows: Sequence[tuple[Any, ...]]
+                       ) -> dict[str, list[tuple[int, str, int]]]:
+    """(branch, step, attempt) of every attempt terminal at its run's snapshot LSN, for
+    the runs in ``runs``: what an attempt-scoped verifier may grade there at most (its
+    selection is a subset), so a run whose every such attempt is graded is not owed."""
+    import pyarrow as pa
+
+    con.register("_grade_graded", pa.table({
+        "run_id": pa.array([r[0] for r in rows if r[0] in runs], pa.string()),
+        "snapshot_lsn": pa.array([r[2] for r in rows if r[0] in runs], pa.int64())}))
+    out: dict[str, list[tuple[int, str, int]]] = {run: [] for run in runs}
+    for run_id, branch, step, attempt in con.execute(
+        "select e.run_id, e.branch_id, e.step_id, e.attempt_no from events e "
+        "join _grade_graded g on e.run_id = g.run_id and e.lsn <= g.snapshot_lsn "
+        "where e.kind in ('attempt_dispatched', 'attempt_finished', 'attempt_recovered') "
+        "group by all having arg_max(e.kind, e.lsn) <> 'attempt_dispatched'"
+    ).fetchall():
+        out[run_id].append((branch, step, attempt))
+    return out
 
 
 # --- recording verdicts ----------------------------------------------------------------
