@@ -267,8 +267,16 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
     check_run_id(run, "show")
     log = open_root(root)
     view = pdm.episode(log, run, all_branches=all_branches, at_lsn=at_lsn)
+    with pdm.connect(log, at_lsn=view.at_lsn) as con:  # run verdicts and attempt verdicts
+        verdicts = con.execute(
+            "select verifier, snapshot_lsn, branch_id, step_id, attempt_no, passed, score, "
+            "detail, lsn from verdicts where run_id = ? order by lsn", [run]).fetchall()
     if as_json:
-        emit_json(view)
+        doc = st.jsonable(view)
+        doc["verdicts"] = [dict(zip(("verifier", "snapshot_lsn", "branch_id", "step_id",
+                                     "attempt_no", "passed", "score", "detail", "lsn"), v,
+                                    strict=True)) for v in verdicts]
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
         return
     out.print(f"[bold]{view.run_id}[/] tenant {view.tenant}, {view.workflow_version}, "
               f"state {_styled(view.state)}, live branch {view.live_branch}, "
@@ -289,6 +297,19 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
                       f"{u.input_tokens}/{u.output_tokens}" if u else "",
                       str(u.cost_usd) if u and u.cost_usd is not None else "",
                       ", ".join(a.context.dropped) if a.context else "", a.error or "")
+        out.print(t)
+    if verdicts:
+        from rich.markup import escape
+
+        t = titled("verdicts", title_justify="left")
+        for c in ("verifier", "snapshot", "judged", "passed", "score", "detail"):
+            t.add_column(c, overflow="fold")
+        for name, snap, branch, step, n, passed, score, detail, _lsn in verdicts:
+            judged = f"run (branch {branch})" if step is None else f"{branch}/{step}#{n}"
+            t.add_row(escape(name), str(snap), escape(judged),
+                      f"[{STATE_STYLE['succeeded' if passed else 'failed']}]"
+                      f"{'yes' if passed else 'no'}[/]",
+                      "" if score is None else f"{score:g}", escape(detail or ""))
         out.print(t)
 
 

@@ -179,7 +179,11 @@ WHERE c.step_limit IS NULL OR a.step_index < c.step_limit
 """
 
 _VERDICTS = """
-SELECT run_id, tenant, branch_id, verifier, snapshot_lsn, passed, score, detail, lsn
+-- A run verdict has step_id and attempt_no NULL and branch_id the snapshot's live branch;
+-- an attempt verdict names the attempt it judged: (branch_id, step_id, attempt_no) join
+-- the attempts view. Logs written before attempt verdicts existed have only run verdicts.
+SELECT run_id, tenant, branch_id, verifier, snapshot_lsn, passed, score, detail, lsn,
+       step_id, attempt_no
 FROM events WHERE kind = 'verdict_recorded'
 """
 
@@ -265,8 +269,11 @@ VIEWS = ("runs", "branches", "attempts", "trajectories", "verdicts", "reductions
 PER_RUN_TABLES = ("runs", "branches", "attempts", "trajectories", "verdicts", "anomalies")
 
 #: Names the fold as a whole; a state made under another fold version is never served.
+#: It covers the view texts and the event schema they read, so a change of either (a
+#: new column, a new meaning of one) rebuilds every state made before it.
 FOLD_VERSION = "1-" + hashlib.sha256(
-    "\n".join(f"-- {k}\n{v}" for k, v in VIEW_SQL.items()).encode()
+    "\n".join([*(f"-- {k}\n{v}" for k, v in VIEW_SQL.items()),
+               f"-- events\n{ev.LOG_SCHEMA}"]).encode()
 ).hexdigest()[:16]
 
 REF_SQL_TYPE = "STRUCT(tenant VARCHAR, sha256 VARCHAR, size BIGINT)"

@@ -33,9 +33,12 @@ Rules a consumer must know:
 - A reduced body exports its summary text with ``prompt_reduced``/``output_reduced``
   true. The summary is found in the ``reductions`` view at the export LSN; a body reduced
   after that LSN (its original is gone) exports the summary of its latest reduction.
-- ``verdicts``: the verdicts recorded for the run's live branch (those that graded this
-  trajectory; a verdict on a branch abandoned by a later rewind graded other attempts),
-  ordered by ``(snapshot_lsn, verifier, lsn)``.
+- ``verdicts``: the run verdicts recorded for the run's live branch (those that graded
+  this trajectory; a verdict on a branch abandoned by a later rewind graded other
+  attempts), on every record of the run, then the attempt verdicts of this very attempt
+  (its branch, step and number, whatever the snapshot: the attempt did not change), each
+  part ordered by ``(snapshot_lsn, verifier, lsn)``. An entry does not say which kind
+  it is: a verifier has one scope, so its name does.
 - ``pairs``: on one run's live trajectory, every attempt that ``failed`` or ``timed_out``
   is paired with the *first later* ``succeeded`` attempt of the same step (same
   ``step_id`` and ``step_index``, later in trajectory order). ``prompt`` is the failed
@@ -109,18 +112,29 @@ WITH red AS (
                   'snapshot_lsn': v.snapshot_lsn::BIGINT}}
                 ORDER BY v.snapshot_lsn, v.verifier, v.lsn) AS verdicts
     FROM verdicts v JOIN runs r ON r.run_id = v.run_id AND v.branch_id = r.live_branch
+    WHERE v.step_id IS NULL
     GROUP BY v.run_id
+), va AS (
+    SELECT v.run_id, v.branch_id, v.step_id, v.attempt_no,
+           list({{'verifier': v.verifier, 'passed': v.passed, 'score': v.score::DOUBLE,
+                  'snapshot_lsn': v.snapshot_lsn::BIGINT}}
+                ORDER BY v.snapshot_lsn, v.verifier, v.lsn) AS verdicts
+    FROM verdicts v WHERE v.step_id IS NOT NULL
+    GROUP BY v.run_id, v.branch_id, v.step_id, v.attempt_no
 )
 SELECT t.run_id, t.tenant, t.branch_id, t.step_id, t.step_index, t.attempt_no, t.state,
        t.workflow_version, t.usage,
        coalesce(rp.summary, t.prompt) AS prompt_ref, rp.summary IS NOT NULL AS prompt_reduced,
        coalesce(ro.summary, t.output) AS output_ref, ro.summary IS NOT NULL AS output_reduced,
-       coalesce(vd.verdicts, []::{verdict_type}[]) AS verdicts,
+       list_concat(coalesce(vd.verdicts, []::{verdict_type}[]),
+                   coalesce(va.verdicts, []::{verdict_type}[])) AS verdicts,
        row_number() OVER (PARTITION BY t.run_id ORDER BY {trajectory_order}) AS pos
 FROM trajectories t
 LEFT JOIN red rp ON rp.tenant = t.prompt.tenant AND rp.sha256 = t.prompt.sha256
 LEFT JOIN red ro ON ro.tenant = t.output.tenant AND ro.sha256 = t.output.sha256
 LEFT JOIN vd ON vd.run_id = t.run_id
+LEFT JOIN va ON va.run_id = t.run_id AND va.branch_id = t.branch_id
+            AND va.step_id = t.step_id AND va.attempt_no = t.attempt_no
 WHERE t.is_live {where}
 """
 

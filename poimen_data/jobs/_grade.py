@@ -30,7 +30,9 @@ from poimen_data.jobs._grade_types import (
     Verifier,
     VerifierCounts,
     VerifierCtx,
+    VerifierScope,
     identity,
+    scope_of,
 )
 from poimen_data.log._blobs import BlobStore
 from poimen_data.log._log import EventLog, LogLike, as_log
@@ -39,12 +41,16 @@ from poimen_data.model import _events as ev
 # --- planning: which runs, which verifiers -----------------------------------------
 
 
-def _plan(log: EventLog, head: int, ids: Sequence[str], runs: Iterable[str] | None,
-          force: bool) -> tuple[list[GradeTask], int]:
+def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[VerifierScope],
+          runs: Iterable[str] | None, force: bool) -> tuple[list[GradeTask], int]:
     """Runs to grade with their verifiers still owed, and how many runs were considered.
 
     One query over the ``runs`` view finds them all (never one per run); one more over
-    ``verdicts`` finds what is already graded at the same snapshot LSN.
+    ``verdicts`` finds what is already graded at the same snapshot LSN: a run verdict
+    per (run, verifier, snapshot), an attempt verdict per (run, verifier, snapshot,
+    branch, step, attempt). An attempt-scoped verifier is owed by a run until every
+    attempt that was terminal at the snapshot (of its steps) has its verdict; the
+    executor skips the attempts already graded once the snapshot shows them.
     """
     import pyarrow as pa
 
@@ -72,24 +78,65 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], runs: Iterable[str] | No
                                f"({len(missing)} unknown)")
             rows = [r for r in found if r[2] is not None]
         done: set[tuple[str, str, int]] = set()
+        done_attempts: dict[str, set[tuple[int, int, str, int]]] = {}
         if rows and not force:
             con.register("_grade_runs", pa.table({
                 "run_id": pa.array([r[0] for r in rows], pa.string()),
                 "snapshot_lsn": pa.array([r[2] for r in rows], pa.int64())}))
             con.register("_grade_ids", pa.table({"verifier": pa.array(ids, pa.string())}))
-            done = set(con.execute(
-                "select v.run_id, v.verifier, v.snapshot_lsn from verdicts v "
+            index = {name: i for i, name in enumerate(ids)}
+            for run_id, name, lsn, branch, step, attempt in con.execute(
+                "select v.run_id, v.verifier, v.snapshot_lsn, v.branch_id, v.step_id, "
+                "v.attempt_no from verdicts v "
                 "join _grade_runs r on v.run_id = r.run_id and v.snapshot_lsn = r.snapshot_lsn "
                 "join _grade_ids i on v.verifier = i.verifier"
-            ).fetchall())
+            ).fetchall():
+                if step is None:
+                    done.add((run_id, name, lsn))
+                else:
+                    done_attempts.setdefault(run_id, set()).add(
+                        (index[name], branch, step, attempt))
+        terminal = _terminal_attempts(con, done_attempts, rows) if done_attempts else {}
     finally:
         con.close()
+
+    def owed(i: int, run_id: str, name: str, lsn: int) -> bool:
+        if scopes[i].scope == "run":
+            return (run_id, name, lsn) not in done
+        if run_id not in done_attempts:
+            return True
+        got, steps = done_attempts[run_id], scopes[i].steps
+        return any((i, *key) not in got for key in terminal[run_id]
+                   if steps is None or key[1] in steps)
+
     tasks = []
     for run_id, tenant, lsn in rows:
-        todo = tuple(i for i, name in enumerate(ids) if (run_id, name, lsn) not in done)
+        todo = tuple(i for i, name in enumerate(ids) if owed(i, run_id, name, lsn))
         if todo:
-            tasks.append(GradeTask(run_id, tenant, int(lsn), todo))
+            tasks.append(GradeTask(run_id, tenant, int(lsn), todo,
+                                   frozenset(done_attempts.get(run_id, ()))))
     return tasks, (asked if runs is not None else len(rows))
+
+
+def _terminal_attempts(con: Any, runs: dict[str, Any], rows: Sequence[tuple[Any, ...]]
+                       ) -> dict[str, list[tuple[int, str, int]]]:
+    """(branch, step, attempt) of every attempt terminal at its run's snapshot LSN, for
+    the runs in ``runs``: what an attempt-scoped verifier may grade there at most (its
+    selection is a subset), so a run whose every such attempt is graded is not owed."""
+    import pyarrow as pa
+
+    con.register("_grade_graded", pa.table({
+        "run_id": pa.array([r[0] for r in rows if r[0] in runs], pa.string()),
+        "snapshot_lsn": pa.array([r[2] for r in rows if r[0] in runs], pa.int64())}))
+    out: dict[str, list[tuple[int, str, int]]] = {run: [] for run in runs}
+    for run_id, branch, step, attempt in con.execute(
+        "select e.run_id, e.branch_id, e.step_id, e.attempt_no from events e "
+        "join _grade_graded g on e.run_id = g.run_id and e.lsn <= g.snapshot_lsn "
+        "where e.kind in ('attempt_dispatched', 'attempt_finished', 'attempt_recovered') "
+        "group by all having arg_max(e.kind, e.lsn) <> 'attempt_dispatched'"
+    ).fetchall():
+        out[run_id].append((branch, step, attempt))
+    return out
 
 
 # --- recording verdicts ----------------------------------------------------------------
@@ -107,20 +154,23 @@ class _Recorder:
         self.commits = 0
         self.recorded = 0
         self.counts = {i: [0, 0, 0, 0] for i in range(len(ids))}  # graded/pass/fail/error
+        self.runs_of: dict[int, set[str]] = {i: set() for i in range(len(ids))}
         self.run_status: dict[str, int] = {}  # 0 passed, 1 failed, 2 errored
         self.failures: list[GradeFailure] = []
 
     def add(self, r: GradeResult) -> None:
-        run_id, i, _branch, passed, _score, detail, errored = r
+        run_id, i, branch, passed, _score, detail, errored, step, attempt = r
         c = self.counts[i]
         c[0] += 1
+        self.runs_of[i].add(run_id)
         status = 2 if errored else 0 if passed else 1
         c[1 + status] += 1
         self.run_status[run_id] = max(self.run_status.get(run_id, 0), status)
         if status:
             self.failures.append(GradeFailure(run_id, self.ids[i],
                                               self.tasks[run_id].snapshot_lsn, errored,
-                                              detail))
+                                              detail, step, attempt,
+                                              None if step is None else branch))
         self.rows.append(r)
         if len(self.rows) >= self.batch:
             self.flush()
@@ -143,6 +193,8 @@ class _Recorder:
             "passed": pa.array([r[3] for r in rows], pa.bool_()),
             "score": pa.array([r[4] for r in rows], pa.float64()),
             "detail": pa.array([r[5] for r in rows], pa.string()),
+            "step_id": pa.array([r[7] for r in rows], pa.string()),
+            "attempt_no": pa.array([r[8] for r in rows], pa.int64()),
         })
         with self.log.transaction() as tx:
             tx.extend(table)
@@ -173,11 +225,17 @@ def grade(
     ``log`` is an ``EventLog`` or the root URL of an existing log (with
     ``storage_options``).
 
+    A verifier with ``scope = "attempt"`` (or a ``steps`` tuple) is called once per
+    terminal attempt of the snapshot instead (``attempts = "all"``, the default) or
+    per last attempt of each step on the live trajectory (``"last_per_step"``), and
+    records one verdict per (run, verifier, snapshot, attempt) not yet recorded.
+
     ``executor``: None for a thread pool in this process (``threads`` wide), or a
     ``distributed.Client``; Dask workers read bodies through their own read-only log, so
     ``blobs`` (default ``log.blobs``) is for the in-process executor only. ``deadline_s``
     bounds each verifier call (a verifier's own ``deadline_s`` attribute wins).
-    ``progress(done, total)`` counts (run, verifier) pairs. Snapshots are built
+    ``progress(done, total)`` counts verdicts (``total`` grows as the snapshots show
+    how many attempts the attempt-scoped verifiers grade). Snapshots are built
     ``chunk_runs`` runs per fold. Verdicts are committed ``batch_size`` per transaction
     as they arrive, so an interrupted job keeps the verdicts it made.
     """
@@ -194,6 +252,7 @@ def grade(
                                   "(no spaces, exactly one @)")
     if len(set(ids)) != len(ids):
         raise ValidationError(f"grade: two verifiers share an identity in {ids}")
+    scopes = [scope_of(v) for v in vs]
     limits = [float(getattr(v, "deadline_s", deadline_s)) for v in vs]
     if batch_size < 1 or chunk_runs < 1:
         raise ValidationError("grade: batch_size and chunk_runs must be >= 1")
@@ -210,27 +269,31 @@ def grade(
                               "through their own log)")
 
     head = log.head
-    tasks, considered = _plan(log, head, ids, runs, force)
+    tasks, considered = _plan(log, head, ids, scopes, runs, force)
     rec = _Recorder(log, ids, tasks, batch_size)
     snap_s: list[float] = []
+    planned: list[int] = []  # results per chunk, known once its snapshots are built
     if dask:
-        results = run_dask(executor, log, tasks, vs, limits, n_threads, chunk_runs, snap_s)
+        results = run_dask(executor, log, tasks, vs, scopes, limits, n_threads, chunk_runs,
+                           snap_s, planned)
     else:
-        results = run_here(log, tasks, vs, blobs if blobs is not None else log.blobs,
-                            limits, n_threads, chunk_runs, snap_s)
-    total = sum(len(t.todo) for t in tasks)
+        results = run_here(log, tasks, vs, scopes,
+                           blobs if blobs is not None else log.blobs, limits, n_threads,
+                           chunk_runs, snap_s, planned)
+    per_run = sum(1 for t in tasks for i in t.todo if scopes[i].scope == "run")
     done = 0
     try:
         for r in results:
             rec.add(r)
             done += 1
             if progress is not None:
-                progress(done, total)
+                progress(done, max(done, per_run, sum(planned)))
     finally:
         rec.flush()
     wall = time.perf_counter() - t0
     status = list(rec.run_status.values())
-    per = tuple(VerifierCounts(ids[i], c[0], considered - c[0], c[1], c[2], c[3])
+    per = tuple(VerifierCounts(ids[i], c[0], considered - len(rec.runs_of[i]), c[1], c[2],
+                               c[3])
                 for i, c in rec.counts.items())
     return GradeReport(
         head_lsn=head, runs_graded=len(status), runs_skipped=considered - len(status),

@@ -21,6 +21,7 @@ from poimen_data.jobs._grade_types import (
     Verdict,
     Verifier,
     VerifierCtx,
+    VerifierScope,
 )
 from poimen_data.log._blobs import BlobStore
 
@@ -64,6 +65,42 @@ def _snapshots(log: EventLog, tasks: Sequence[GradeTask]) -> dict[str, EpisodeVi
     return out
 
 
+# --- which attempts an attempt-scoped verifier grades ----------------------------------
+
+#: The attempt an attempt-scoped verifier grades: (branch_id, step_id, attempt_no).
+AttemptKey = tuple[int, str, int]
+
+
+def attempts_to_grade(snap: EpisodeView, spec: VerifierScope) -> list[AttemptKey]:
+    """The terminal attempts of a frozen snapshot that ``spec`` applies to, in a fixed
+    order: every branch's own attempts (by branch, then as the branch lists them), or
+    the last attempt of each step on the live trajectory. A still-``dispatched``
+    attempt has no outcome to judge and is left out."""
+    from poimen_data.jobs.verifiers import last_attempts_branches
+
+    if spec.attempts == "all":
+        pairs = [(b.branch_id, a) for b in snap.branches for a in b.attempts]
+    else:
+        pairs = list(last_attempts_branches(snap))
+    return [(b, a.step, a.attempt) for b, a in pairs
+            if a.state != "dispatched" and (spec.steps is None or a.step in spec.steps)]
+
+
+def _items(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
+           scopes: Sequence[VerifierScope]) -> list[tuple[GradeTask, int, AttemptKey | None]]:
+    """Every call to make: one per (run, run-scoped verifier), one per (run,
+    attempt-scoped verifier, attempt it applies to) not yet graded at this snapshot."""
+    items: list[tuple[GradeTask, int, AttemptKey | None]] = []
+    for t in tasks:
+        for i in t.todo:
+            if scopes[i].scope == "run":
+                items.append((t, i, None))
+                continue
+            items.extend((t, i, key) for key in attempts_to_grade(snaps[t.run_id], scopes[i])
+                         if (i, *key) not in t.done)
+    return items
+
+
 # --- running verifiers under deadlines -------------------------------------------------
 
 
@@ -88,9 +125,11 @@ def _call(v: Verifier, ctx: VerifierCtx) -> tuple[bool, float | None, str | None
 
 
 def _run_local(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
-               verifiers: Sequence[Verifier], blobs: BlobStore, limits: Sequence[float],
-               threads: int) -> Iterator[GradeResult]:
-    """Yield a result per (run, verifier) as it completes, on a pool of daemon threads.
+               verifiers: Sequence[Verifier], scopes: Sequence[VerifierScope],
+               blobs: BlobStore, limits: Sequence[float], threads: int,
+               planned: list[int] | None = None) -> Iterator[GradeResult]:
+    """Yield a result per item (see ``_items``) as it completes, on a pool of daemon
+    threads; ``planned`` is told how many items there are before the first result.
 
     A verifier past its deadline is answered with an error verdict at once and left
     behind (a thread cannot be killed); a fresh thread takes its place so the pool keeps
@@ -98,18 +137,24 @@ def _run_local(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
     """
     todo: queue.SimpleQueue[Any] = queue.SimpleQueue()
     out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    items = [(t, i) for t in tasks for i in t.todo]
+    items = _items(tasks, snaps, scopes)
+    if planned is not None:
+        planned.append(len(items))
 
     def work() -> None:
         while True:
             got = todo.get()
             if got is None:
                 return
-            k, (t, i) = got
+            k, (t, i, key) = got
             snap = snaps[t.run_id]
             deadline = time.monotonic() + limits[i]
             out.put((0, k, deadline))
-            ctx = VerifierCtx(t.run_id, None, None, snap, t.snapshot_lsn, blobs, deadline)
+            if key is None:
+                ctx = VerifierCtx(t.run_id, None, None, snap, t.snapshot_lsn, blobs, deadline)
+            else:
+                ctx = VerifierCtx(t.run_id, key[1], key[2], snap, t.snapshot_lsn, blobs,
+                                  deadline, key[0])
             out.put((1, k, _call(verifiers[i], ctx)))
 
     started = 0
@@ -137,16 +182,17 @@ def _run_local(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
                     if k not in resolved:
                         resolved.add(k)
                         spawn()
-                        t, i = items[k]
-                        yield _result(t, i, snaps, (False, None, "error: deadline of "
-                                                    f"{limits[i]}s passed; abandoned", True))
+                        t, i, key = items[k]
+                        yield _result(t, i, key, snaps, (False, None, "error: deadline of "
+                                                         f"{limits[i]}s passed; abandoned",
+                                                         True))
                 continue
             if what == 0:
                 heapq.heappush(running, (payload, k))
             elif k not in resolved:
                 resolved.add(k)
-                t, i = items[k]
-                yield _result(t, i, snaps, payload)
+                t, i, key = items[k]
+                yield _result(t, i, key, snaps, payload)
     finally:
         while True:  # closed early: drop what no thread has taken yet
             try:
@@ -157,9 +203,13 @@ def _run_local(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
             todo.put(None)
 
 
-def _result(t: GradeTask, i: int, snaps: dict[str, EpisodeView],
+def _result(t: GradeTask, i: int, key: AttemptKey | None, snaps: dict[str, EpisodeView],
             r: tuple[bool, float | None, str | None, bool]) -> GradeResult:
-    return (t.run_id, i, int(snaps[t.run_id].live_branch), *r)
+    """A run verdict goes on the snapshot's live branch; an attempt verdict on the
+    attempt it judged (its own branch, step and number)."""
+    if key is None:
+        return (t.run_id, i, int(snaps[t.run_id].live_branch), *r, None, None)
+    return (t.run_id, i, key[0], *r, key[1], key[2])
 
 
 # --- Dask ------------------------------------------------------------------------------
@@ -171,8 +221,8 @@ def is_dask_client(executor: Any) -> bool:
 
 
 def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[GradeTask],
-                 verifiers: Sequence[Verifier], limits: Sequence[float],
-                 threads: int) -> tuple[list[GradeResult], float]:
+                 verifiers: Sequence[Verifier], scopes: Sequence[VerifierScope],
+                 limits: Sequence[float], threads: int) -> tuple[list[GradeResult], float]:
     """Dask task: open the log read-only, build the chunk's snapshots here at their
     snapshot LSNs (so no episode crosses the network), grade, return the results."""
     from poimen_data.log._log import open_log
@@ -181,37 +231,43 @@ def _grade_chunk(root: str, storage_options: dict[str, Any], tasks: Sequence[Gra
     t0 = time.perf_counter()
     snaps = _snapshots(log, tasks)
     snap_s = time.perf_counter() - t0
-    return list(_run_local(tasks, snaps, verifiers, log.blobs, limits, threads)), snap_s
+    return list(_run_local(tasks, snaps, verifiers, scopes, log.blobs, limits,
+                           threads)), snap_s
 
 
 def run_dask(client: Any, log: EventLog, tasks: Sequence[GradeTask],
-              verifiers: Sequence[Verifier], limits: Sequence[float], threads: int,
-              chunk: int, snap_s: list[float]) -> Iterator[GradeResult]:
-    """Yield results chunk by chunk as workers finish; the driver alone commits."""
+              verifiers: Sequence[Verifier], scopes: Sequence[VerifierScope],
+              limits: Sequence[float], threads: int, chunk: int, snap_s: list[float],
+              planned: list[int]) -> Iterator[GradeResult]:
+    """Yield results chunk by chunk as workers finish; the driver alone commits.
+    ``planned`` learns each chunk's number of results as it arrives."""
     from distributed import as_completed
 
     n_workers = max(1, len(client.scheduler_info().get("workers", {})))
     size = max(1, min(chunk, -(-len(tasks) // (2 * n_workers))))
     futures = [client.submit(_grade_chunk, log.root, log.storage.storage_options,
-                             list(tasks[i:i + size]), list(verifiers), list(limits), threads,
-                             pure=False)
+                             list(tasks[i:i + size]), list(verifiers), list(scopes),
+                             list(limits), threads, pure=False)
                for i in range(0, len(tasks), size)]
     try:
         for fut in as_completed(futures):
             results, s = fut.result()
             snap_s.append(s)
+            planned.append(len(results))
             yield from results
     finally:
         client.cancel(futures)
 
 
 def run_here(log: EventLog, tasks: Sequence[GradeTask], verifiers: Sequence[Verifier],
-              blobs: BlobStore, limits: Sequence[float], threads: int, chunk: int,
-              snap_s: list[float]) -> Iterator[GradeResult]:
+              scopes: Sequence[VerifierScope], blobs: BlobStore, limits: Sequence[float],
+              threads: int, chunk: int, snap_s: list[float],
+              planned: list[int]) -> Iterator[GradeResult]:
     """In-process: ``chunk`` runs at a time, so memory holds one chunk of snapshots."""
     for lo in range(0, len(tasks), chunk):
         part = tasks[lo:lo + chunk]
         t0 = time.perf_counter()
         snaps = _snapshots(log, part)
         snap_s.append(time.perf_counter() - t0)
-        yield from _run_local(part, snaps, verifiers, blobs, limits, threads)
+        yield from _run_local(part, snaps, verifiers, scopes, blobs, limits, threads,
+                              planned)

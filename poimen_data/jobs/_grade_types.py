@@ -34,8 +34,12 @@ class VerifierCtx:
     """Everything a verifier may look at. ``episode`` is frozen at ``snapshot_lsn`` and
     holds refs only; ``blobs.get`` fetches a body on demand (None once reduced).
     ``deadline`` is a ``time.monotonic()`` value: past it, the verdict is an error.
-    ``step``/``attempt`` name the attempt under review when a verifier grades one; they
-    are None when it grades the whole run (all ``grade`` does today)."""
+
+    An attempt-scoped verifier (``scope = "attempt"``) is called once per attempt it
+    grades: ``branch``/``step``/``attempt`` name that attempt (``branch`` is the branch
+    that recorded it, which for an inherited attempt is an ancestor of the live one;
+    ``verifiers.judged_attempt(ctx)`` finds its ``AttemptView``). All three are None when
+    a verifier grades the whole run."""
 
     run: str
     step: str | None
@@ -44,10 +48,57 @@ class VerifierCtx:
     snapshot_lsn: int
     blobs: BlobStore
     deadline: float
+    branch: int | None = None
+
+
+Scope = Literal["run", "attempt"]
+#: Which attempts an attempt-scoped verifier grades: every terminal attempt of the
+#: snapshot, on every branch (the default: failed retries and abandoned branches are the
+#: learning signal, and each needs its own label), or the last attempt of each step on
+#: the live trajectory (what the run's outcome rests on).
+Which = Literal["all", "last_per_step"]
+SCOPES: tuple[Scope, ...] = ("run", "attempt")
+WHICH: tuple[Which, ...] = ("all", "last_per_step")
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierScope:
+    """What one verifier grades, read from its attributes by ``scope_of``."""
+
+    scope: Scope
+    steps: frozenset[str] | None  # None: every step
+    attempts: Which
+
+
+def scope_of(v: Verifier) -> VerifierScope:
+    """A verifier's scope from its attributes: ``scope`` ("run" by default, or
+    "attempt"), ``steps`` (step ids; implies attempt scope) and ``attempts`` ("all" by
+    default, or "last_per_step"). A bad value is a ``ValidationError`` naming it."""
+    name = identity(v)
+    steps = getattr(v, "steps", None)
+    scope = getattr(v, "scope", "attempt" if steps is not None else "run")
+    if scope not in SCOPES:
+        raise ValidationError(f"verifier {name}: scope must be one of {SCOPES}, got {scope!r}")
+    if steps is not None:
+        if isinstance(steps, str) or not all(isinstance(s, str) for s in steps) or not steps:
+            raise ValidationError(f"verifier {name}: steps must be a non-empty tuple of step "
+                                  f"ids, got {steps!r}")
+        if scope != "attempt":
+            raise ValidationError(f"verifier {name}: steps= needs scope 'attempt'")
+        steps = frozenset(steps)
+    which = getattr(v, "attempts", "all")
+    if which not in WHICH:
+        raise ValidationError(f"verifier {name}: attempts must be one of {WHICH}, "
+                              f"got {which!r}")
+    return VerifierScope(scope, steps, which)
 
 
 @dataclass(frozen=True, slots=True)
 class VerifierCounts:
+    """One verifier's share of a ``grade`` call. ``graded`` counts the verdicts it
+    recorded (one per run, or one per attempt for an attempt-scoped verifier);
+    ``skipped`` the runs considered that got none from it."""
+
     verifier: str
     graded: int
     skipped: int
@@ -63,6 +114,9 @@ class GradeFailure:
     snapshot_lsn: int
     errored: bool
     detail: str | None
+    step: str | None = None  # the attempt judged, for an attempt-scoped verifier
+    attempt: int | None = None
+    branch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +152,19 @@ def identity(v: Verifier) -> str:
 
 @dataclass(frozen=True, slots=True)
 class GradeTask:
-    """One run to grade: its snapshot LSN and the indices of the verifiers still owed."""
+    """One run to grade: its snapshot LSN and the indices of the verifiers still owed.
+    An attempt-scoped verifier is owed whatever ``done`` does not list: the
+    (verifier index, branch, step, attempt) already graded at this snapshot (which
+    attempts there are is known only once the snapshot is built)."""
 
     run_id: str
     tenant: str
     snapshot_lsn: int
     todo: tuple[int, ...]
+    done: frozenset[tuple[int, int, str, int]] = frozenset()
 
 
-# A graded pair: (run_id, verifier index, branch_id, passed, score, detail, errored).
-GradeResult = tuple[str, int, int, bool, float | None, str | None, bool]
+# A verdict made: (run_id, verifier index, branch_id, passed, score, detail, errored,
+# step_id, attempt_no); the last two None for a run verdict.
+GradeResult = tuple[str, int, int, bool, float | None, str | None, bool, str | None,
+                    int | None]

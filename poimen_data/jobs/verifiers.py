@@ -1,8 +1,9 @@
-"""Two example verifiers, and the live-trajectory helper both use.
+"""Example verifiers, and the live-trajectory helpers they use.
 
 ``exit_code`` grades from attempt states alone and never reads a body: the cheap,
 always-available signal. ``output_mentions`` reads output text through ``ctx.blobs`` and
 shows how a body verifier treats a reduced body (``get`` -> None) as a normal answer.
+``output_is_json`` is attempt-scoped: one verdict per attempt, on the attempt it judged.
 A verifier is any callable ``(VerifierCtx) -> Verdict`` with ``name``/``version``.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from poimen_data.jobs._grade import Verdict, VerifierCtx
+from poimen_data.jobs._grade_types import Verdict, VerifierCtx
 
 if TYPE_CHECKING:
     from poimen_data.fold._query import AttemptView, EpisodeView
@@ -24,28 +25,54 @@ def live_trajectory(episode: EpisodeView) -> tuple[AttemptView, ...]:
     ``step_index < fork_step_index``, then the branch's own attempts. Needs an episode
     read with ``all_branches=True`` when the live branch is a fork (grading always is).
     """
+    return tuple(a for _b, a in live_trajectory_branches(episode))
+
+
+def live_trajectory_branches(episode: EpisodeView) -> tuple[tuple[int, AttemptView], ...]:
+    """``live_trajectory`` with the branch that recorded each attempt:
+    (branch_id, attempt) pairs, in trajectory order."""
     by_id = {b.branch_id: b for b in episode.branches}
 
     def walk(branch_id: int, depth: int) -> tuple[Any, ...]:
         b = by_id.get(branch_id)
         if b is None or depth > len(by_id):
             return ()
+        own = tuple((b.branch_id, a) for a in b.attempts)
         if b.parent_branch_id is None or b.fork_step_index is None:
-            return tuple(b.attempts)
-        inherited = tuple(a for a in walk(b.parent_branch_id, depth + 1)
+            return own
+        inherited = tuple((pb, a) for pb, a in walk(b.parent_branch_id, depth + 1)
                           if a.step_index is not None and a.step_index < b.fork_step_index)
-        return inherited + tuple(b.attempts)
+        return inherited + own
 
     return walk(episode.live_branch, 0)
 
 
 def last_attempts(episode: EpisodeView) -> tuple[AttemptView, ...]:
     """The last attempt of every step on the live trajectory, in trajectory order."""
+    return tuple(a for _b, a in last_attempts_branches(episode))
+
+
+def last_attempts_branches(episode: EpisodeView) -> tuple[tuple[int, AttemptView], ...]:
+    """``last_attempts`` with the branch that recorded each: (branch_id, attempt) pairs."""
     last: dict[str, Any] = {}
-    for a in live_trajectory(episode):
+    for b, a in live_trajectory_branches(episode):
         last.pop(a.step, None)
-        last[a.step] = a
+        last[a.step] = (b, a)
     return tuple(last.values())
+
+
+def judged_attempt(ctx: VerifierCtx) -> AttemptView:
+    """The attempt an attempt-scoped verifier was called for (``ctx.branch``,
+    ``ctx.step``, ``ctx.attempt``), from the frozen snapshot."""
+    if ctx.step is None or ctx.attempt is None or ctx.branch is None:
+        raise ValueError(f"run {ctx.run}: this call grades the run, not one attempt")
+    for b in ctx.episode.branches:
+        if b.branch_id == ctx.branch:
+            for a in b.attempts:
+                if a.step == ctx.step and a.attempt == ctx.attempt:
+                    return a
+    raise LookupError(f"run {ctx.run}: no attempt {ctx.step}#{ctx.attempt} on branch "
+                      f"{ctx.branch} in the snapshot")
 
 
 def exit_code(ctx: VerifierCtx) -> Verdict:
@@ -117,5 +144,62 @@ def output_mentions(needle: str, *, last_steps: int | None = None,
     return OutputMentions(needle, last_steps=last_steps, name=name)
 
 
-__all__ = ["OutputMentions", "exit_code", "last_attempts", "live_trajectory",
-           "output_mentions"]
+class OutputIsJson:
+    """An attempt-scoped verifier: pass when the attempt's output parses as JSON (a
+    JSON object holding ``keys``, when given): the structured answer the step promised.
+
+    Called once per attempt it applies to (``steps``; every step when None), it reads
+    that attempt's output body and nothing else. No output ref, or a body that was
+    reduced (``get`` -> None), cannot be judged as JSON: not passed, said in ``detail``.
+    """
+
+    scope = "attempt"
+    version = "1"
+
+    def __init__(self, *, keys: tuple[str, ...] = (), steps: tuple[str, ...] | None = None,
+                 attempts: str = "all", name: str = "output_is_json") -> None:
+        self.keys = tuple(keys)
+        if steps is not None:
+            self.steps = tuple(steps)
+        self.attempts = attempts
+        self.name = name
+
+    def __repr__(self) -> str:
+        return (f"OutputIsJson(keys={self.keys!r}, steps={getattr(self, 'steps', None)!r}, "
+                f"attempts={self.attempts!r})")
+
+    def __call__(self, ctx: VerifierCtx) -> Verdict:
+        import json
+
+        a = judged_attempt(ctx)
+        if a.output is None:
+            return Verdict(False, None, f"{a.step}#{a.attempt} ({a.state}): no output")
+        body = ctx.blobs.get(a.output)
+        if body is None:
+            return Verdict(False, None, f"{a.step}#{a.attempt}: output reduced; cannot judge")
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+            return Verdict(False, 0.0, f"{a.step}#{a.attempt}: not JSON: {exc}")
+        if not self.keys:
+            return Verdict(True, 1.0, f"{a.step}#{a.attempt}: parses as JSON")
+        if not isinstance(doc, dict):
+            return Verdict(False, 0.0, f"{a.step}#{a.attempt}: JSON {type(doc).__name__}, "
+                                       "not an object")
+        missing = [k for k in self.keys if k not in doc]
+        score = (len(self.keys) - len(missing)) / len(self.keys)
+        if missing:
+            return Verdict(False, score, f"{a.step}#{a.attempt}: missing keys "
+                                         f"{', '.join(missing)}")
+        return Verdict(True, 1.0, f"{a.step}#{a.attempt}: a JSON object with "
+                                  f"{', '.join(self.keys)}")
+
+
+#: Ready for ``poimen grade --verifier poimen_data.verifiers:output_is_json``: every
+#: terminal attempt's output must parse as JSON.
+output_is_json = OutputIsJson()
+
+
+__all__ = ["OutputIsJson", "OutputMentions", "exit_code", "judged_attempt", "last_attempts",
+           "last_attempts_branches", "live_trajectory", "live_trajectory_branches",
+           "output_is_json", "output_mentions"]

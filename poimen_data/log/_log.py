@@ -48,6 +48,7 @@ from poimen_data.log._manifest import (
 )
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
+from poimen_data.model import conform_segment
 from poimen_data.storage import DEFAULT_RETRY_DEADLINE_S, PROMOTE_POOL, Storage, open_storage
 
 DEFAULT_CHECKPOINT_INTERVAL = 100
@@ -443,11 +444,7 @@ class EventLog:
             seq = pa.array(np.full(s.rows, s.seq, dtype=np.int64))
             t = t.add_column(0, ev.LOG_SCHEMA.field("seq"), seq)
             t = t.add_column(0, ev.LOG_SCHEMA.field("lsn"), lsn)
-        if t.schema != ev.LOG_SCHEMA:
-            try:
-                t = t.select(ev.LOG_SCHEMA.names).cast(ev.LOG_SCHEMA)
-            except (KeyError, pa.ArrowInvalid) as exc:
-                raise CorruptionError(f"{name}: unexpected schema: {exc}") from None
+        t = conform_segment(t, name)  # written under an older schema: missing columns null
         self._tables[s.path] = t
         return t
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from poimen_data.model._arrow import (
     check_conformed,
+    conform_segment,
     conform_table,
     events_to_table,
     table_refs,
@@ -71,6 +72,7 @@ __all__ = [
     "check_ref",
     "check_run_id",
     "check_tenant",
+    "conform_segment",
     "conform_table",
     "CONTEXT_TYPE",
     "ContextPartition",

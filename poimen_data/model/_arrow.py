@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from poimen_data.errors import TenantMismatch, ValidationError
+from poimen_data.errors import CorruptionError, TenantMismatch, ValidationError
 from poimen_data.model._events import (
     CONTEXT_TYPE,
     COST_QUANTUM,
@@ -25,6 +25,7 @@ from poimen_data.model._events import (
     EVENT_SCHEMA,
     KIND_COLUMNS,
     KINDS,
+    LOG_SCHEMA,
     REF_COLUMNS,
     REF_TYPE,
     RUN_ID_RE,
@@ -391,6 +392,12 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
         if bad is not None:
             fail(pc.fill_null(pc.equal(verifier, bad), False), "verifier",
                  f"must be 'name@version', got {bad!r}")
+        # an attempt verdict names both step_id and attempt_no, a run verdict neither
+        half = pc.not_equal(pc.is_null(col("step_id").chunk(0)),
+                            pc.is_null(col("attempt_no").chunk(0)))
+        if kinds.any(["verdict_recorded"], half):
+            fail(pc.and_(pc.equal(kind, "verdict_recorded"), half), "attempt_no",
+                 "must be given with step_id (an attempt verdict) or neither (a run verdict)")
     for name, longest in (("step_id", STEP_ID_MAX), ("workflow_version", 256)):
         values = col(name).chunk(0)
         if len(values) > _PY_REGEX_LIMIT and values.null_count < len(values):
@@ -495,3 +502,36 @@ def table_refs(t: pa.Table) -> set[BlobRef]:
                                                   for c in ("tenant", "sha256", "size")),
                                                 strict=True))
     return out
+
+
+# --- reading segments written under an older schema ------------------------------------
+
+
+def conform_segment(t: pa.Table, name: str) -> pa.Table:
+    """A segment read from storage, as ``LOG_SCHEMA``: a column the segment lacks (it was
+    written before the column existed) reads as all null; a column it has keeps its
+    values (cast when the writer's type differs, e.g. a string type of another width).
+    A segment missing a required column, or holding one that cannot be cast, is corrupt.
+    """
+    if t.schema == LOG_SCHEMA:
+        return t
+    n, have = t.num_rows, set(t.column_names)
+    cols = []
+    for f in LOG_SCHEMA:
+        if f.name not in have:
+            if not f.nullable:
+                raise CorruptionError(f"{name}: unexpected schema: no column {f.name!r}")
+            cols.append(pa.nulls(n, f.type))
+            continue
+        col = t.column(f.name)
+        if col.type != f.type:
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise CorruptionError(f"{name}: unexpected schema: column {f.name!r}: "
+                                      f"{exc}") from None
+        cols.append(col)
+    try:
+        return pa.Table.from_arrays(cols, schema=LOG_SCHEMA)
+    except (pa.ArrowInvalid, ValueError) as exc:
+        raise CorruptionError(f"{name}: unexpected schema: {exc}") from None

@@ -191,6 +191,10 @@ class VerdictRecorded(Event):
     score: float | None = None
     detail: str | None = None
     ts: datetime | None = field(default=None, kw_only=True)
+    # The attempt an attempt-scoped verifier judged (``branch_id`` is then its branch);
+    # both None for a run verdict. Stored in the same columns as the attempt events'.
+    step_id: str | None = field(default=None, kw_only=True)
+    attempt_no: int | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,6 +483,12 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
             raise _bad(where, "score", "must be a float")
         if e.detail is not None and not isinstance(e.detail, str):
             raise _bad(where, "detail", "must be a str")
+        if (e.step_id is None) != (e.attempt_no is None):
+            raise _bad(where, "attempt_no", "must be given with step_id (an attempt "
+                       "verdict) or neither (a run verdict)")
+        if e.step_id is not None:
+            _check_str(where, "step_id", e.step_id, STEP_ID_MAX)
+            _check_int(where, "attempt_no", e.attempt_no, 1)
     elif kind == "run_finished":
         if e.outcome not in RUN_OUTCOMES:
             raise _bad(where, "outcome", f"must be one of {RUN_OUTCOMES}, got {e.outcome!r}")
