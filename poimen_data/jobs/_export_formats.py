@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from poimen_data.jobs import _dest
 from poimen_data.model._events import COST_QUANTUM, COST_TYPE
 
 USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens",
@@ -318,6 +319,7 @@ class Sink:
         self.local = isinstance(self.fs, LocalFileSystem)
         if self.local:
             self.path = os.path.abspath(self.path)
+            _dest.check_dest(self.path)  # a regular file or nothing, in an existing dir
         self.url = self.path if self.local else self.fs.unstrip_protocol(self.path)
         parent, _, name = self.path.rpartition("/")
         self.tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else \
@@ -330,13 +332,13 @@ class Sink:
         self._queue: queue.Queue[bytes | None] = queue.Queue(_SINK_QUEUE)
         self._error: BaseException | None = None
         self._f: Any = None
+        self._tmp: str | None = None  # local: the temp file's name (None: O_TMPFILE)
         self._thread = threading.Thread(target=self._drain, name="poimen-export-writer",
                                         daemon=True)
 
     def __enter__(self) -> Sink:
         if self.local:
-            os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
-            self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in __exit__
+            self._f, self._tmp = _dest.open_temp(self.path)
         else:
             self._f = self.fs.open(self.tmp, "wb")
         self._thread.start()
@@ -397,10 +399,7 @@ class Sink:
             if self._error is not None:
                 raise self._error
             if self.local:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-                self._f.close()
-                os.replace(self.tmp, self.path)
+                _dest.publish(self._f, self._tmp, self.path)
             else:
                 self._f.close()
                 self.fs.mv(self.tmp, self.path)
@@ -419,6 +418,6 @@ class Sink:
                 f.close()
         with contextlib.suppress(OSError):
             if self.local:
-                os.unlink(self.tmp)
+                _dest.discard(self._tmp)
             elif self.fs.exists(self.tmp):
                 self.fs.rm_file(self.tmp)

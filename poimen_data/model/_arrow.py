@@ -41,6 +41,7 @@ from poimen_data.model._events import (
     Event,
     _bad,
 )
+from poimen_data.model._limits import COST_MAX, MONEY_CONTEXT, TS_MAX_US, TS_MIN_US, TS_RANGE
 
 # --- conversion ---------------------------------------------------------------------
 
@@ -55,7 +56,8 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
         vals = [None if v is None else getattr(v, f.name) for v in values]
         if f.type == COST_TYPE:
             vals = [None if x is None else x if type(x) is Decimal and x.as_tuple().exponent
-                    == -9 else Decimal(x).quantize(COST_QUANTUM) for x in vals]
+                    == -9 else Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT)
+                    for x in vals]
         elif pa.types.is_floating(f.type):
             vals = [None if x is None else float(x) for x in vals]
         children.append(pa.array(vals, f.type))
@@ -159,6 +161,9 @@ def _conform(table: pa.Table, where: str, now: datetime | None) -> pa.Table:
     for f in EVENT_SCHEMA:
         if f.name in table.column_names:
             col = table.column(f.name)
+            if f.name == "ts" and pa.types.is_timestamp(col.type) and col.type.tz is None:
+                raise ValidationError(f"{where}: column 'ts' has type {col.type}, naive: "
+                                      "timestamps must be timezone-aware (e.g. tz='UTC')")
             if col.type != f.type:
                 try:
                     col = col.cast(f.type)
@@ -367,6 +372,8 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
         fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
              f"is not a field of {kind[first].as_py()}")
     _check_minimums(t, fail)
+    _check_values(col, fail)
+    _check_utf8(t, fail)
     if "branch_forked" in present:  # branch_id first, as validate_event checks it
         pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
         if kinds.any(["branch_forked"], pc.less(b, 1)):
@@ -417,6 +424,73 @@ def _check_minimums(t: pa.Table, fail: Callable[..., None]) -> None:
                  certain=False)
 
 
+def _check_values(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., None]) -> None:
+    """Values readers hold: ``ts`` within the years 1 .. 9999 UTC (DuckDB reads the int64
+    extremes as infinity, Python not at all), ``score`` a finite double. Numpy over the
+    buffers: no kernel call unless a check fails."""
+    ts = col("ts").chunk(0)  # no nulls once conformed
+    us = np.frombuffer(ts.buffers()[1], np.int64, count=len(ts), offset=ts.offset * 8)
+    if us.min() < TS_MIN_US or us.max() > TS_MAX_US:
+        fail(pa.array((us < TS_MIN_US) | (us > TS_MAX_US)), "ts", f"must be {TS_RANGE}")
+    _check_floats(col("score").chunk(0), "score", fail)
+
+
+def _has_text(typ: pa.DataType) -> bool:
+    if pa.types.is_string(typ):
+        return True
+    return any(_has_text(typ.field(i).type) for i in range(typ.num_fields))
+
+
+_TEXT_COLUMNS = tuple(f.name for f in EVENT_SCHEMA if _has_text(f.type))
+
+
+def _check_utf8(t: pa.Table, fail: Callable[..., None]) -> None:
+    """Text is valid UTF-8. Arrow's constructors and casts check it, a table built from
+    raw buffers may not have been; Arrow's own validator (SIMD) checks each column."""
+    for nm in _TEXT_COLUMNS:
+        c = t.column(nm).chunk(0)
+        if c.null_count == len(c):
+            continue
+        try:
+            c.validate(full=True)
+        except pa.ArrowInvalid:
+            mask = pa.nulls(len(c), pa.bool_())  # nested: the column is named, not the row
+            if pa.types.is_string(c.type):
+                mask = pa.array([_not_utf8(b) for b in c.cast(pa.binary()).to_pylist()])
+            fail(mask, nm, "must be valid UTF-8 text")
+
+
+def _not_utf8(b: bytes | None) -> bool:
+    if b is None:
+        return False
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _valid_floats(c: pa.Array) -> np.ndarray:
+    """The non-null values of a float64 column (a null slot may hold anything)."""
+    x = np.frombuffer(c.buffers()[1], np.float64, count=len(c), offset=c.offset * 8)
+    if c.null_count:
+        valid = np.unpackbits(_validity(c, len(c)), count=len(c), bitorder="little")
+        x = x[valid.view(bool)]
+    return x
+
+
+def _check_floats(c: pa.Array, fld: str, fail: Callable[..., None],
+                  minimum: int | None = None) -> None:
+    """A float64 column holds finite values (at least ``minimum``)."""
+    if c.null_count == len(c):
+        return
+    x = _valid_floats(c)
+    if not np.isfinite(x).all():
+        fail(pc.fill_null(pc.invert(pc.is_finite(c)), False), fld, "must be a finite double")
+    if minimum is not None and x.min() < minimum:
+        fail(pc.fill_null(pc.less(c, minimum), False), fld, f"must be >= {minimum}")
+
+
 def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., None]) -> None:
     """Inside the nested columns: counts >= 0, cost >= 0, no null list items or labels."""
     # One kernel call per check over the children concatenated (a small table pays per
@@ -426,10 +500,15 @@ def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., Non
         kids = usage.flatten()  # children with the struct's nulls merged in
         names = [f.name for f in usage.type][:5]
         tokens, cost = pa.concat_arrays(kids[:4]), kids[4]
-        if (pc.min(tokens).as_py() or 0) < 0 or (pc.min(cost).as_py() or 0) < 0:
+        money = pc.min_max(cost)
+        if (pc.min(tokens).as_py() or 0) < 0 or (money["min"].as_py() or 0) < 0:
             for f, v in zip(names, kids[:5], strict=True):
                 fail(pc.fill_null(pc.less(v, pa.scalar(0, v.type)), False), f"usage.{f}",
                      "must be >= 0", certain=False)
+        if (money["max"].as_py() or 0) > COST_MAX:  # only a column built unchecked
+            fail(pc.fill_null(pc.greater(cost, pa.scalar(COST_MAX, cost.type)), False),
+                 "usage.cost_usd", f"must be at most {COST_MAX} (decimal(18, 9))")
+        _check_floats(kids[5], "usage.latency_ms", fail, minimum=0)
     lists = []
     for name in ("context", "tools"):
         outer = col(name).chunk(0)
