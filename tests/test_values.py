@@ -379,3 +379,28 @@ def test_values_commit_and_read_back_exactly_or_are_refused(v: dict[str, Any],
     rows = _read_back(log)
     assert rows == _expected(v)
     assert rows[0][0].utcoffset() is not None
+
+
+def test_the_limits_export_exactly(tmp_path: Any) -> None:
+    import json
+
+    import pyarrow.parquet as pq
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    usage = Usage(MAX, 0, MAX, 1, COST_MAX, 1.7976931348623157e308)
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "lo", "wf ✓", ts=TS_MIN))
+        tx.append(AttemptDispatched(T, "lo", 0, "шаг", MAX, MAX, ts=TS_MAX))
+        tx.append(AttemptFinished(T, "lo", 0, "шаг", MAX, "failed", usage=usage))
+    want = {"input_tokens": MAX, "output_tokens": 0, "cache_read_input_tokens": MAX,
+            "reasoning_tokens": 1, "cost_usd": COST_MAX, "latency_ms": 1.7976931348623157e308}
+    pdm.export_live(log, str(tmp_path / "x.jsonl"))
+    (line,) = (tmp_path / "x.jsonl").read_text(encoding="utf-8").splitlines()
+    meta = json.loads(line)["metadata"]
+    assert (meta["step_id"], meta["step_index"], meta["attempt_no"], meta["workflow_version"]
+            ) == ("шаг", MAX, MAX, "wf ✓")
+    assert {**meta["usage"], "cost_usd": Decimal(meta["usage"]["cost_usd"])} == want
+    pdm.export_live(log, str(tmp_path / "x.parquet"), format="parquet")
+    (row,) = pq.read_table(tmp_path / "x.parquet").to_pylist()
+    assert {k: row[k] for k in want} == want
+    assert (row["step_index"], row["attempt_no"]) == (MAX, MAX)
