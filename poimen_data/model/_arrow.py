@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import ValidationError
+from poimen_data.model._arrow_values import check_floats, check_utf8, check_values
 from poimen_data.model._events import (
     _REQUIRED,
     CONTEXT_TYPE,
@@ -41,7 +42,7 @@ from poimen_data.model._events import (
     Event,
     _bad,
 )
-from poimen_data.model._limits import COST_MAX, MONEY_CONTEXT, TS_MAX_US, TS_MIN_US, TS_RANGE
+from poimen_data.model._limits import COST_MAX, MONEY_CONTEXT
 
 # --- conversion ---------------------------------------------------------------------
 
@@ -372,8 +373,8 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
         fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
              f"is not a field of {kind[first].as_py()}")
     _check_minimums(t, fail)
-    _check_values(col, fail)
-    _check_utf8(t, fail)
+    check_values(col, fail)
+    check_utf8(t, fail)
     if "branch_forked" in present:  # branch_id first, as validate_event checks it
         pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
         if kinds.any(["branch_forked"], pc.less(b, 1)):
@@ -424,111 +425,6 @@ def _check_minimums(t: pa.Table, fail: Callable[..., None]) -> None:
                  certain=False)
 
 
-def _check_values(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., None]) -> None:
-    """Values readers hold: ``ts`` within the years 1 .. 9999 UTC (DuckDB reads the int64
-    extremes as infinity, Python not at all), ``score`` a finite double. Numpy over the
-    buffers: no kernel call unless a check fails."""
-    ts = col("ts").chunk(0)  # no nulls once conformed
-    us = np.frombuffer(ts.buffers()[1], np.int64, count=len(ts), offset=ts.offset * 8)
-    if us.min() < TS_MIN_US or us.max() > TS_MAX_US:
-        fail(pa.array((us < TS_MIN_US) | (us > TS_MAX_US)), "ts", f"must be {TS_RANGE}")
-    _check_floats(col("score").chunk(0), "score", fail)
-
-
-def _has_text(typ: pa.DataType) -> bool:
-    if pa.types.is_string(typ):
-        return True
-    return any(_has_text(typ.field(i).type) for i in range(typ.num_fields))
-
-
-_TEXT_COLUMNS = tuple(f.name for f in EVENT_SCHEMA if _has_text(f.type))
-
-
-def _check_utf8(t: pa.Table, fail: Callable[..., None]) -> None:
-    """Text is valid UTF-8. Arrow's constructors and casts check it; a table read from
-    an IPC file or built from raw buffers may not have been. A column whose string data
-    is all ASCII is valid; only the others get Arrow's full validation (~10x dearer)."""
-    cols = []
-    for nm, where in _TEXT_BUFFERS:
-        c = t.column(nm).chunk(0)
-        if c.null_count < len(c):
-            tree = c.buffers()  # the whole tree's: a slice's bytes are within them
-            cols.append((nm, c, [b for i in where if (b := tree[i]) is not None]))
-    small = [b for _, _, bufs in cols for b in bufs if b.size < 1 << 16]
-    if b"".join(small).isascii() and all(_ascii(b) for _, _, bufs in cols for b in bufs
-                                         if b.size >= 1 << 16):
-        return  # the usual case: one pass over the text of a small table
-    for nm, c, bufs in cols:
-        if all(_ascii(b) for b in bufs):
-            continue
-        try:
-            c.validate(full=True)
-        except pa.ArrowInvalid:
-            mask = pa.nulls(len(c), pa.bool_())  # nested: the column is named, not the row
-            if pa.types.is_string(c.type):
-                mask = pa.array([_not_utf8(b) for b in c.cast(pa.binary()).to_pylist()])
-            fail(mask, nm, "must be valid UTF-8 text")
-
-
-def _string_data(typ: pa.DataType, at: int = 0) -> tuple[list[int], int]:
-    """Where the string data buffers are in ``Array.buffers()`` of a type (the tree's
-    buffers depth first), and how many buffers the type has."""
-    if pa.types.is_string(typ):
-        return [at + 2], 3
-    own = 1 if pa.types.is_struct(typ) else 2  # validity (+ offsets of a list or map)
-    found, n = [], own
-    for i in range(typ.num_fields):
-        f, k = _string_data(typ.field(i).type, at + n)
-        found += f
-        n += k
-    return found, n
-
-
-_TEXT_BUFFERS = tuple((f.name, _string_data(f.type)[0]) for f in EVENT_SCHEMA
-                      if _string_data(f.type)[0])
-_HIGH_BITS = np.uint64(0x8080808080808080)
-
-
-def _ascii(buf: pa.Buffer) -> bool:
-    if buf.size < 1 << 16:
-        return buf.to_pybytes().isascii()
-    b = np.frombuffer(buf, np.uint8)
-    k = len(b) // 8 * 8
-    return not np.bitwise_or.reduce(b[:k].view(np.uint64)) & _HIGH_BITS \
-        and not np.any(b[k:] & 0x80)
-
-
-def _not_utf8(b: bytes | None) -> bool:
-    if b is None:
-        return False
-    try:
-        b.decode("utf-8")
-    except UnicodeDecodeError:
-        return True
-    return False
-
-
-def _valid_floats(c: pa.Array) -> np.ndarray:
-    """The non-null values of a float64 column (a null slot may hold anything)."""
-    x = np.frombuffer(c.buffers()[1], np.float64, count=len(c), offset=c.offset * 8)
-    if c.null_count:
-        valid = np.unpackbits(_validity(c, len(c)), count=len(c), bitorder="little")
-        x = x[valid.view(bool)]
-    return x
-
-
-def _check_floats(c: pa.Array, fld: str, fail: Callable[..., None],
-                  minimum: int | None = None) -> None:
-    """A float64 column holds finite values (at least ``minimum``)."""
-    if c.null_count == len(c):
-        return
-    x = _valid_floats(c)
-    if not np.isfinite(x).all():
-        fail(pc.fill_null(pc.invert(pc.is_finite(c)), False), fld, "must be a finite double")
-    if minimum is not None and x.min() < minimum:
-        fail(pc.fill_null(pc.less(c, minimum), False), fld, f"must be >= {minimum}")
-
-
 def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., None]) -> None:
     """Inside the nested columns: counts >= 0, cost >= 0, no null list items or labels."""
     # One kernel call per check over the children concatenated (a small table pays per
@@ -546,7 +442,7 @@ def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., Non
         if (money["max"].as_py() or 0) > COST_MAX:  # only a column built unchecked
             fail(pc.fill_null(pc.greater(cost, pa.scalar(COST_MAX, cost.type)), False),
                  "usage.cost_usd", f"must be at most {COST_MAX} (decimal(18, 9))")
-        _check_floats(kids[5], "usage.latency_ms", fail, minimum=0)
+        check_floats(kids[5], "usage.latency_ms", fail, minimum=0)
     lists = []
     for name in ("context", "tools"):
         outer = col(name).chunk(0)
