@@ -73,7 +73,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except duckdb.Error as exc:
             err.print(f"error: SQL: {_one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ArithmeticError) as exc:  # Overflow: a value written
+            # before the limits were checked (a year-0 timestamp) that Python cannot hold
             err.print(f"error: {type(exc).__name__}: {_one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except Exception as exc:
