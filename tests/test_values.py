@@ -154,6 +154,16 @@ BULK_CASES = [  # (table, message fragment)
     (_bulk(score=pa.array([-math.inf, 1.0])), "row 0 (verdict_recorded): field 'score' must be "
      "a finite double"),
     (_bulk(detail=_bad_utf8()), "row 1 (verdict_recorded): field 'detail' must be valid UTF-8"),
+    (_bulk(run_id=_bad_utf8()), "row 1 (verdict_recorded): field 'run_id' must be valid UTF-8"),
+    (pa.concat_tables([_bulk(detail=pa.array(["ok"] * 9000)),  # bad text past a slice's
+                       _bulk(detail=_bad_utf8())]).combine_chunks().slice(9001),  # start
+     "row 0 (verdict_recorded): field 'detail' must be valid UTF-8"),
+    (_bulk(kind=pa.array(["run_started"] * 2), verifier=pa.nulls(2, pa.string()),
+           snapshot_lsn=pa.nulls(2, pa.int64()), passed=pa.nulls(2, pa.bool_()),
+           branch_id=pa.nulls(2, pa.int64()), workflow_version=pa.array(["w", "w"]),
+           labels=pa.MapArray.from_arrays(pa.array([0, 1, 2], pa.int32()), pa.array(["a", "b"]),
+                                          _bad_utf8())),
+     "field 'labels' must be valid UTF-8"),
     (_bulk(usage=_usage(latency_ms=-0.5), **FINISHED), "row 1 (attempt_finished): field "
      "'usage.latency_ms' must be >= 0"),
     (_bulk(usage=_usage(latency_ms=math.nan), **FINISHED), "row 1 (attempt_finished): field "

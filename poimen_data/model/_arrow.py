@@ -334,6 +334,7 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
     def fail(mask: Any, fld: str, msg: str, certain: bool = True) -> None:
         _fail_where(t, where, mask, fld, msg, base=base, certain=certain)
 
+    check_utf8(t, fail)  # first: the checks below read strings into Python
     col = t.column
     kind = col("kind").chunk(0)
     kinds = _Kinds(kind)
@@ -374,7 +375,6 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
              f"is not a field of {kind[first].as_py()}")
     _check_minimums(t, fail)
     check_values(col, fail)
-    check_utf8(t, fail)
     if "branch_forked" in present:  # branch_id first, as validate_event checks it
         pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
         if kinds.any(["branch_forked"], pc.less(b, 1)):

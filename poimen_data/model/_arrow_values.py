@@ -4,7 +4,7 @@ so a clean table costs no kernel call; ``fail(mask, field, message)`` names the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -27,56 +27,80 @@ def check_values(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., None
 
 def check_utf8(t: pa.Table, fail: Callable[..., None]) -> None:
     """Text is valid UTF-8. Arrow's constructors and casts check it; a table read from
-    an IPC file or built from raw buffers may not have been. A column whose string data
-    is all ASCII is valid; only the others get Arrow's full validation (~10x dearer)."""
-    cols = []
-    for nm, where in _TEXT_BUFFERS:
-        c = t.column(nm).chunk(0)
-        if c.null_count < len(c):
-            tree = c.buffers()  # the whole tree's: a slice's bytes are within them
-            cols.append((nm, c, [b for i in where if (b := tree[i]) is not None]))
-    small = [b for _, _, bufs in cols for b in bufs if b.size < 1 << 16]
-    if b"".join(small).isascii() and all(_ascii(b) for _, _, bufs in cols for b in bufs
-                                         if b.size >= 1 << 16):
-        return  # the usual case: one pass over the text of a small table
-    for nm, c, bufs in cols:
-        if all(_ascii(b) for b in bufs):
+    an IPC file or built from raw buffers may not have been. Text that is all ASCII is
+    valid (one pass over a small table's bytes, numpy over a big column's); only a column
+    that is not gets Arrow's full validation (~10x dearer). Runs before any check reads
+    strings into Python (which would raise UnicodeDecodeError)."""
+    cols = [(nm, c, [_text_bytes(a) for a in _leaves(c)]) for nm in _TEXT_COLUMNS
+            if (c := t.column(nm).chunk(0)).null_count < len(c)]
+    small = [b for _, _, parts in cols for b in parts if len(b) < 1 << 16]
+    if b"".join(small).isascii() and all(_ascii(b) for _, _, parts in cols for b in parts
+                                         if len(b) >= 1 << 16):
+        return  # the usual case
+    for nm, c, parts in cols:
+        if all(_ascii(b) for b in parts):
             continue
         try:
             c.validate(full=True)
         except pa.ArrowInvalid:
-            mask = pa.nulls(len(c), pa.bool_())  # nested: the column is named, not the row
-            if pa.types.is_string(c.type):
+            mask = pa.nulls(len(c), pa.bool_())  # the column is named, not the row
+            if pa.types.is_string(c.type) and nm != "kind":  # (fail reads the row's kind)
                 mask = pa.array([_not_utf8(b) for b in c.cast(pa.binary()).to_pylist()])
             fail(mask, nm, "must be valid UTF-8 text")
 
 
-def _string_data(typ: pa.DataType, at: int = 0) -> tuple[list[int], int]:
-    """Where the string data buffers are in ``Array.buffers()`` of a type (the tree's
-    buffers depth first), and how many buffers the type has."""
+def _has_text(typ: pa.DataType) -> bool:
+    return pa.types.is_string(typ) or any(_has_text(typ.field(i).type)
+                                          for i in range(typ.num_fields))
+
+
+_TEXT_COLUMNS = tuple(f.name for f in EVENT_SCHEMA if _has_text(f.type))
+
+
+def _leaves(c: pa.Array) -> Iterator[pa.Array]:
+    """The string arrays inside a column, each cut to the rows the column holds (a
+    slice of a big table must not cost the big table)."""
+    typ = c.type
     if pa.types.is_string(typ):
-        return [at + 2], 3
-    own = 1 if pa.types.is_struct(typ) else 2  # validity (+ offsets of a list or map)
-    found, n = [], own
-    for i in range(typ.num_fields):
-        f, k = _string_data(typ.field(i).type, at + n)
-        found += f
-        n += k
-    return found, n
+        yield c
+    elif pa.types.is_struct(typ):  # field(i) is cut to the struct's rows, cheaply
+        for i in range(typ.num_fields):
+            yield from _leaves(c.field(i))
+    elif pa.types.is_map(typ):  # .keys/.items ignore the slice: cut them by the offsets
+        lo, hi = _span(c)
+        yield from _leaves(c.keys.slice(lo, hi - lo))
+        yield from _leaves(c.items.slice(lo, hi - lo))
+    elif pa.types.is_list(typ):  # .values ignores the slice too
+        lo, hi = _span(c)
+        yield from _leaves(c.values.slice(lo, hi - lo))
 
 
-_TEXT_BUFFERS = tuple((f.name, _string_data(f.type)[0]) for f in EVENT_SCHEMA
-                      if _string_data(f.type)[0])
+def _span(c: pa.Array) -> tuple[int, int]:
+    """The first and past-the-end child positions of a list-like or string array."""
+    if len(c) == 0:
+        return 0, 0
+    o = np.frombuffer(c.buffers()[1], np.int32, count=len(c) + 1, offset=c.offset * 4)
+    return int(o[0]), int(o[-1])
+
+
+def _text_bytes(a: pa.Array) -> memoryview:
+    data = a.buffers()[2]
+    if data is None:
+        return memoryview(b"")
+    lo, hi = _span(a)
+    return memoryview(data)[lo:hi]
+
+
 _HIGH_BITS = np.uint64(0x8080808080808080)
 
 
-def _ascii(buf: pa.Buffer) -> bool:
-    if buf.size < 1 << 16:
-        return buf.to_pybytes().isascii()
-    b = np.frombuffer(buf, np.uint8)
-    k = len(b) // 8 * 8
-    return not np.bitwise_or.reduce(b[:k].view(np.uint64)) & _HIGH_BITS \
-        and not np.any(b[k:] & 0x80)
+def _ascii(b: memoryview) -> bool:
+    if len(b) < 1 << 16:
+        return bytes(b).isascii()
+    x = np.frombuffer(b, np.uint8)
+    k = len(x) // 8 * 8
+    return not np.bitwise_or.reduce(x[:k].view(np.uint64)) & _HIGH_BITS \
+        and not np.any(x[k:] & 0x80)
 
 
 def _not_utf8(b: bytes | None) -> bool:
