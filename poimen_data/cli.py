@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -73,13 +73,37 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except duckdb.Error as exc:
             err.print(f"error: SQL: {_one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ArithmeticError) as exc:  # Overflow: a value written
+            # before the limits were checked (a year-0 timestamp) that Python cannot hold
             err.print(f"error: {type(exc).__name__}: {_one_line(exc)}", markup=False)
+            raise typer.Exit(1) from None
+        except Exception as exc:
+            if not _is_storage_error(exc):
+                raise
+            err.print(f"error: storage: {type(exc).__name__}: {_one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130) from None
     return wrapper
+
+
+def _is_storage_error(exc: BaseException) -> bool:
+    """An error of the S3 client stack (no credentials, a bad bucket name, access denied):
+    the user's environment, told in one line. Judged by module, so botocore need not be
+    imported (nor installed) to run the CLI."""
+    return any(c.__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs", "boto3")
+               for c in type(exc).__mro__)
+
+
+def check_url(url: str, what: str) -> str:
+    """A root or destination that names a place: ``s3://`` alone names no bucket."""
+    import fsspec.core
+
+    protocol, path = fsspec.core.split_protocol(url)
+    if not url.strip() or (protocol and not path.strip("/")):
+        fail(f"{what} {url!r} names no path (e.g. {protocol or 's3'}://bucket/prefix)")
+    return url
 
 
 def command(name: str, example: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -92,6 +116,7 @@ def command(name: str, example: str) -> Callable[[Callable[..., Any]], Callable[
 
 def open_root(root: str) -> Any:
     """Open an existing log; a missing one is an error that says how to make one."""
+    check_url(root, "--root")
     try:
         return pdm.open_log(root, create=False)
     except pdm.NotFound:
@@ -180,6 +205,18 @@ def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
     out.print(f"({n} row{'s' if n != 1 else ''}{more})", highlight=False)
 
 
+def lock_down(con: Any, *, allowed: Sequence[str] = ()) -> None:
+    """Close a connection to the outside: no file, URL, ATTACH, COPY ... TO or extension,
+    except under ``allowed`` directories (readable *and writable* by SQL, so keep it to
+    what views must scan), and no SQL can undo it. Views over tables registered from
+    Python (the log's events, Arrow datasets) are unaffected: register them first."""
+    if allowed:
+        con.execute("SET allowed_directories = " + "[" + ", ".join(
+            "'" + d.replace("'", "''") + "'" for d in allowed) + "]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
 def _view_sql(name: str) -> str:
     from poimen_data.fold._fold import VIEW_SQL, view_sql
 
@@ -230,14 +267,21 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
         explain: Annotated[str | None, typer.Option(
             "--explain", metavar="VIEW", help="Print the SQL that defines a view.")] = None,
         max_rows: Annotated[int, typer.Option(min=1, help="Rows to print.")] = 40,
+        allow_external: Annotated[bool, typer.Option(
+            "--allow-external", "--unsafe",
+            help="Let SQL read and write any file or URL (read_csv, COPY ... TO, ATTACH, "
+                 "INSTALL/LOAD); off by default.")] = False,
         at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Run SQL over the views (events, runs, branches, attempts, trajectories, verdicts,
-    reductions, anomalies); blob_text(ref) reads a body. No QUERY opens a prompt."""
+    reductions, anomalies); blob_text(ref) reads a body. No QUERY opens a prompt.
+    Read-only towards the outside unless --allow-external."""
     if explain is not None:
         out.print(_view_sql(explain), highlight=False, markup=False)
         return
     log = open_root(root)
     con = pdm.connect(log, at_lsn=at_lsn)
+    if not allow_external:
+        lock_down(con)
     if query is None:
         _repl(con, max_rows)
     else:
@@ -348,6 +392,9 @@ def load_verifier(spec: str) -> Any:
     mod_name, _, attr = spec.rpartition(":")
     if not mod_name or not attr:
         fail(f"--verifier {spec!r} must be MODULE:NAME (e.g. poimen_data.verifiers:exit_code)")
+    if mod_name.startswith("."):
+        fail(f"--verifier {spec!r}: a relative module name; give the full dotted name or a "
+             "file.py path")
     try:
         if mod_name.endswith(".py"):
             loc = importlib.util.spec_from_file_location("_poimen_verifier", mod_name)
@@ -363,6 +410,12 @@ def load_verifier(spec: str) -> Any:
         fail(f"--verifier {spec!r}: cannot import {mod_name}: {_one_line(exc)}")
     except AttributeError:
         fail(f"--verifier {spec!r}: {mod_name} has no {attr}")
+    except SyntaxError as exc:
+        fail(f"--verifier {spec!r}: syntax error in {exc.filename or mod_name} line "
+             f"{exc.lineno}: {exc.msg}")
+    except Exception as exc:  # the module's own code raised while it was imported
+        fail(f"--verifier {spec!r}: importing {mod_name} raised {type(exc).__name__}: "
+             f"{_one_line(exc)}")
     if not callable(obj):
         fail(f"--verifier {spec!r} is not callable")
     return obj
@@ -423,6 +476,7 @@ def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | 
     from rich.filesize import decimal
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    check_url(dest, "--out")
     log = open_root(root)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("runs, {task.fields[written]} written"), console=err,

@@ -11,7 +11,7 @@ import heapq
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from poimen_data.errors import NotFound
@@ -24,6 +24,7 @@ from poimen_data.jobs._grade_types import (
     VerifierScope,
 )
 from poimen_data.log._blobs import BlobStore
+from poimen_data.model._limits import number_problem, text_problem, utf8_ok
 
 if TYPE_CHECKING:
     from poimen_data.fold._query import EpisodeView
@@ -104,24 +105,61 @@ def _items(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
 # --- running verifiers under deadlines -------------------------------------------------
 
 
-def _call(v: Verifier, ctx: VerifierCtx) -> tuple[bool, float | None, str | None, bool]:
+Outcome = tuple[bool, float | None, str | None, bool]  # passed, score, detail, errored
+#: A verdict's ``detail`` longer than this (in characters) is an error verdict.
+DETAIL_MAX = 65_536
+
+
+def _call(v: Verifier, ctx: VerifierCtx) -> Outcome:
     """Run one verifier; anything but a clean, in-time ``Verdict`` is an error verdict."""
     try:
         out = v(ctx)
     except Exception as exc:  # a verifier's bug is a verdict, not the batch's end
-        return False, None, f"error: {type(exc).__name__}: {exc}", True
+        return _error(f"{type(exc).__name__}: {_text(exc)}")
     late = time.monotonic() - ctx.deadline
     if late > 0:
-        return False, None, f"error: deadline passed ({late:.3f}s late)", True
-    if not isinstance(out, Verdict) or type(out.passed) is not bool:
-        return False, None, f"error: returned {out!r}, not a Verdict(passed: bool)", True
-    score = out.score
-    if score is not None:
-        if isinstance(score, bool) or not isinstance(score, int | float):
-            return False, None, f"error: score {score!r} is not a number", True
-        score = float(score)
-    detail = out.detail if out.detail is None else str(out.detail)
-    return out.passed, score, detail, False
+        return _error(f"deadline passed ({late:.3f}s late)")
+    return safe_verdict(out)
+
+
+def safe_verdict(out: Any) -> Outcome:
+    """A verifier's return value as a verdict the log can hold, or an error verdict saying
+    why not: never an exception (the same value rules as ``validate_event``)."""
+    try:
+        if not isinstance(out, Verdict) or type(out.passed) is not bool:
+            return _error(f"returned {_text(out, repr)[:200]}, not a Verdict(passed: bool)")
+        score = out.score
+        if score is not None:
+            problem = number_problem(score)
+            if problem:
+                return _error(f"score {problem}")
+            score = float(score)
+        detail = out.detail
+        if detail is not None:
+            if not isinstance(detail, str):
+                detail = str(detail)
+            problem = text_problem(detail)
+            if problem:
+                return _error(f"detail {problem}")
+            if len(detail) > DETAIL_MAX:
+                return _error(f"detail of {len(detail):,} chars is over {DETAIL_MAX:,}")
+        return out.passed, score, detail, False
+    except Exception as exc:  # a __str__ or __repr__ that raises
+        return _error(f"bad verdict: {type(exc).__name__}: {_text(exc)}")
+
+
+def _error(why: str) -> Outcome:
+    return False, None, "error: " + why, True
+
+
+def _text(x: Any, how: Callable[[Any], str] = str) -> str:
+    """Text about a value, storable whatever it holds (lone surrogates escaped, bounded)."""
+    try:
+        s = how(x)
+    except Exception as exc:
+        s = f"<unprintable {type(x).__name__}: {type(exc).__name__}>"
+    s = s[:2000]
+    return s if utf8_ok(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _run_local(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
@@ -155,7 +193,11 @@ def _run_local(tasks: Sequence[GradeTask], snaps: dict[str, EpisodeView],
             else:
                 ctx = VerifierCtx(t.run_id, key[1], key[2], snap, t.snapshot_lsn, blobs,
                                   deadline, key[0])
-            out.put((1, k, _call(verifiers[i], ctx)))
+            try:
+                got = _call(verifiers[i], ctx)
+            except BaseException as exc:  # never lose the thread's answer (a verifier
+                got = _error(f"{type(exc).__name__}: {_text(exc)}")  # raising SystemExit)
+            out.put((1, k, got))
 
     started = 0
 

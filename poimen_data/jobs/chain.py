@@ -9,6 +9,7 @@ call this module.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,12 @@ def default_verifiers() -> list[Any]:
 def export(log: Any, out_dir: str, formats: Sequence[str] = ("jsonl", "parquet"), *,
            progress: Callable[[Any], None] | None = None) -> StageResult:
     def body() -> tuple[str, Any]:
+        import fsspec.core
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs, path = fsspec.core.url_to_fs(out_dir)
+        if isinstance(fs, LocalFileSystem):  # the chain's output directory: made here, as
+            os.makedirs(path, exist_ok=True)  # export_live never creates a directory
         files = []
         for fmt in formats:
             dest = f"{out_dir.rstrip('/')}/live.{fmt}"

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import CorruptionError, TenantMismatch, ValidationError
+from poimen_data.model._arrow_values import check_floats, check_utf8, check_values
 from poimen_data.model._events import (
     CONTEXT_TYPE,
     COST_QUANTUM,
@@ -42,6 +43,7 @@ from poimen_data.model._events import (
 )
 from poimen_data.model._events import REQUIRED_FIELDS as _REQUIRED
 from poimen_data.model._events import bad_field as _bad
+from poimen_data.model._limits import COST_MAX, MONEY_CONTEXT
 
 # --- conversion ---------------------------------------------------------------------
 
@@ -56,7 +58,8 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
         vals = [None if v is None else getattr(v, f.name) for v in values]
         if f.type == COST_TYPE:
             vals = [None if x is None else x if type(x) is Decimal and x.as_tuple().exponent
-                    == -9 else Decimal(x).quantize(COST_QUANTUM) for x in vals]
+                    == -9 else Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT)
+                    for x in vals]
         elif pa.types.is_floating(f.type):
             vals = [None if x is None else float(x) for x in vals]
         children.append(pa.array(vals, f.type))
@@ -160,6 +163,9 @@ def _conform(table: pa.Table, where: str, now: datetime | None) -> pa.Table:
     for f in EVENT_SCHEMA:
         if f.name in table.column_names:
             col = table.column(f.name)
+            if f.name == "ts" and pa.types.is_timestamp(col.type) and col.type.tz is None:
+                raise ValidationError(f"{where}: column 'ts' has type {col.type}, naive: "
+                                      "timestamps must be timezone-aware (e.g. tz='UTC')")
             if col.type != f.type:
                 try:
                     col = col.cast(f.type)
@@ -330,6 +336,7 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
              error: type[ValidationError] = ValidationError) -> None:
         _fail_where(t, where, mask, fld, msg, base=base, certain=certain, error=error)
 
+    check_utf8(t, fail)  # first: the checks below read strings into Python
     col = t.column
     kind = col("kind").chunk(0)
     kinds = _Kinds(kind)
@@ -369,6 +376,7 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
         fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
              f"is not a field of {kind[first].as_py()}")
     _check_minimums(t, fail)
+    check_values(col, fail)
     if "branch_forked" in present:  # branch_id first, as validate_event checks it
         pb, b = col("parent_branch_id").chunk(0), col("branch_id").chunk(0)
         if kinds.any(["branch_forked"], pc.less(b, 1)):
@@ -434,10 +442,15 @@ def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., Non
         kids = usage.flatten()  # children with the struct's nulls merged in
         names = [f.name for f in usage.type][:5]
         tokens, cost = pa.concat_arrays(kids[:4]), kids[4]
-        if (pc.min(tokens).as_py() or 0) < 0 or (pc.min(cost).as_py() or 0) < 0:
+        money = pc.min_max(cost)
+        if (pc.min(tokens).as_py() or 0) < 0 or (money["min"].as_py() or 0) < 0:
             for f, v in zip(names, kids[:5], strict=True):
                 fail(pc.fill_null(pc.less(v, pa.scalar(0, v.type)), False), f"usage.{f}",
                      "must be >= 0", certain=False)
+        if (money["max"].as_py() or 0) > COST_MAX:  # only a column built unchecked
+            fail(pc.fill_null(pc.greater(cost, pa.scalar(COST_MAX, cost.type)), False),
+                 "usage.cost_usd", f"must be at most {COST_MAX} (decimal(18, 9))")
+        check_floats(kids[5], "usage.latency_ms", fail, minimum=0)
     lists = []
     for name in ("context", "tools"):
         outer = col(name).chunk(0)

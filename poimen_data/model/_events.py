@@ -18,6 +18,17 @@ from typing import Any, ClassVar
 import pyarrow as pa
 
 from poimen_data.errors import TenantMismatch, ValidationError
+from poimen_data.model._limits import (
+    COST_QUANTUM,
+    INT64_MAX,
+    cost_problem,
+    int_problem,
+    number_problem,
+    strs_problem,
+    text_problem,
+    ts_problem,
+    utf8_ok,
+)
 
 TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -32,7 +43,6 @@ RUN_OUTCOMES = ("succeeded", "failed")
 
 # cost_usd is money: stored exactly, so sums are deterministic (docs/DESIGN.md, "Storage format").
 COST_TYPE = pa.decimal128(18, 9)
-COST_QUANTUM = Decimal("0.000000001")
 
 
 # --- value types -------------------------------------------------------------------
@@ -337,22 +347,47 @@ def _bad(where: str, fld: str, msg: str,
 bad_field = _bad
 
 
+def _seen(seen: set[Any] | None, v: Any) -> bool:
+    """Whether a value object was validated already (an unhashable one never was: its
+    own check then names the field at fault)."""
+    if seen is None:
+        return False
+    try:
+        return v in seen
+    except TypeError:
+        return False
+
+
+def _remember(seen: set[Any] | None, v: Any) -> None:
+    if seen is not None:
+        seen.add(v)  # hashable: only called once v passed its check
+
+
 def _check_ref_cached(ref: Any, name: str, seen: set[Any] | None) -> None:
-    if seen is not None and type(ref) is BlobRef and ref in seen:
+    if type(ref) is BlobRef and _seen(seen, ref):
         return
     check_ref(ref, "", name)
-    if seen is not None:
-        seen.add(ref)
+    _remember(seen, ref)
 
 
 def _check_int(where: str, name: str, v: Any, minimum: int) -> None:
-    if type(v) is not int or v < minimum:
-        raise _bad(where, name, f"must be an int >= {minimum}, got {v!r}")
+    if type(v) is not int or v < minimum or v > INT64_MAX:
+        raise _bad(where, name, int_problem(v, minimum) or "")
 
 
 def _check_str(where: str, name: str, v: Any, max_len: int = 4096) -> None:
     if not isinstance(v, str) or not v or len(v) > max_len:
         raise _bad(where, name, f"must be a non-empty str of at most {max_len} chars")
+    if not utf8_ok(v):
+        raise _bad(where, name, "must be valid UTF-8 text (it holds a lone surrogate)")
+
+
+def _check_text(where: str, name: str, v: Any) -> None:
+    """An optional free-text field (error, detail, reason): a storable str or None."""
+    if v is not None:
+        problem = text_problem(v)
+        if problem:
+            raise _bad(where, name, problem)
 
 
 def check_tenant(v: Any, where: str = "argument") -> str:
@@ -374,14 +409,15 @@ def check_ref(ref: Any, where: str = "argument", name: str = "ref") -> BlobRef:
         raise _bad(where, name, f"has an invalid tenant {ref.tenant!r}")
     if not isinstance(ref.sha256, str) or not SHA256_RE.fullmatch(ref.sha256):
         raise _bad(where, name, "sha256 must be 64 lowercase hex digits")
-    if type(ref.size) is not int or ref.size < 0:
-        raise _bad(where, name, f"size must be an int >= 0, got {ref.size!r}")
+    if type(ref.size) is not int or ref.size < 0 or ref.size > INT64_MAX:
+        raise _bad(where, name, f"size must be an int in [0, 2**63 - 1], got {ref.size!r}")
     return ref
 
 
 def _check_str_tuple(where: str, name: str, v: Any) -> None:
-    if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
-        raise _bad(where, name, "must be a tuple of str")
+    problem = strs_problem(v)
+    if problem:
+        raise _bad(where, name, problem)
 
 
 def validate_event(e: Any, where: str | int = "event",
@@ -413,8 +449,10 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
         if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
             raise _bad(where, "run_id", f"must match {RUN_ID_RE.pattern}, got {run_id!r}")
     ts = e.ts
-    if ts is not None and (not isinstance(ts, datetime) or ts.utcoffset() is None):
-        raise _bad(where, "ts", "must be a timezone-aware datetime")
+    if ts is not None:
+        problem = ts_problem(ts)
+        if problem:
+            raise _bad(where, "ts", problem)
     if kind in ("attempt_dispatched", "attempt_finished", "attempt_recovered"):
         _check_int(where, "branch_id", e.branch_id, 0)
         _check_str(where, "step_id", e.step_id, STEP_ID_MAX)
@@ -427,14 +465,14 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
                     raise _bad(where, "prompt", "belongs to another tenant than the event",
                            TenantMismatch)
             ctx = e.context
-            if ctx is not None and not (seen is not None and ctx in seen):
-                if seen is not None and type(ctx) is ContextPartition:
-                    seen.add(ctx)
+            if ctx is not None and not _seen(seen, ctx):
                 if not isinstance(ctx, ContextPartition):
                     raise _bad(where, "context", "must be a ContextPartition")
                 _check_str_tuple(where, "context.packed", ctx.packed)
                 _check_str_tuple(where, "context.available", ctx.available)
                 _check_str_tuple(where, "context.dropped", ctx.dropped)
+                if type(ctx) is ContextPartition:
+                    _remember(seen, ctx)
             if e.workflow_version is not None:
                 _check_str(where, "workflow_version", e.workflow_version, 256)
         else:
@@ -447,16 +485,15 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
                     raise _bad(where, "output", "belongs to another tenant than the event",
                            TenantMismatch)
             usage = e.usage
-            if usage is not None and not (seen is not None and usage in seen):
+            if usage is not None and not _seen(seen, usage):
                 _check_usage(where, usage)
-                if seen is not None:
-                    seen.add(usage)
+                if type(usage) is Usage:
+                    _remember(seen, usage)
             if e.tools is not None:
                 if not isinstance(e.tools, ToolInfo):
                     raise _bad(where, "tools", "must be a ToolInfo")
                 _check_str_tuple(where, "tools.calls", e.tools.calls)
-            if e.error is not None and not isinstance(e.error, str):
-                raise _bad(where, "error", "must be a str")
+            _check_text(where, "error", e.error)
     elif kind == "run_started":
         _check_str(where, "workflow_version", e.workflow_version, 256)
         labels = e.labels
@@ -465,6 +502,8 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
         ):
             raise _bad(where, "labels", "must be a mapping of str to str")
+        if labels and not all(utf8_ok(k) and utf8_ok(v) for k, v in labels.items()):
+            raise _bad(where, "labels", "must be valid UTF-8 text (a lone surrogate)")
     elif kind == "branch_forked":
         _check_int(where, "branch_id", e.branch_id, 1)
         _check_int(where, "parent_branch_id", e.parent_branch_id, 0)
@@ -473,16 +512,17 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
             raise _bad(where, "parent_branch_id", "must be lower than branch_id")
     elif kind == "verdict_recorded":
         _check_int(where, "branch_id", e.branch_id, 0)
-        if not isinstance(e.verifier, str) or not VERIFIER_RE.fullmatch(e.verifier):
+        if not isinstance(e.verifier, str) or not VERIFIER_RE.fullmatch(e.verifier) \
+                or not utf8_ok(e.verifier):
             raise _bad(where, "verifier", f"must be 'name@version', got {e.verifier!r}")
         _check_int(where, "snapshot_lsn", e.snapshot_lsn, 1)
         if type(e.passed) is not bool:
             raise _bad(where, "passed", "must be a bool")
-        if e.score is not None and (isinstance(e.score, bool)
-                                    or not isinstance(e.score, int | float)):
-            raise _bad(where, "score", "must be a float")
-        if e.detail is not None and not isinstance(e.detail, str):
-            raise _bad(where, "detail", "must be a str")
+        if e.score is not None:
+            problem = number_problem(e.score)
+            if problem:
+                raise _bad(where, "score", problem)
+        _check_text(where, "detail", e.detail)
         if (e.step_id is None) != (e.attempt_no is None):
             raise _bad(where, "attempt_no", "must be given with step_id (an attempt "
                        "verdict) or neither (a run verdict)")
@@ -493,8 +533,7 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
         if e.outcome not in RUN_OUTCOMES:
             raise _bad(where, "outcome", f"must be one of {RUN_OUTCOMES}, got {e.outcome!r}")
     elif kind == "run_cancelled":
-        if e.reason is not None and not isinstance(e.reason, str):
-            raise _bad(where, "reason", "must be a str")
+        _check_text(where, "reason", e.reason)
     elif kind == "blob_reduced":
         for name in ("original", "summary"):
             ref = getattr(e, name)
@@ -512,14 +551,13 @@ def _check_usage(where: str, u: Any) -> None:
         if v is not None:
             _check_int(where, f"usage.{name}", v, 0)
     if u.cost_usd is not None:
-        if not isinstance(u.cost_usd, Decimal | int) or isinstance(u.cost_usd, bool):
-            raise _bad(where, "usage.cost_usd", "must be a Decimal (money is stored exactly)")
-        if not Decimal(u.cost_usd).is_finite() or Decimal(u.cost_usd) < 0:
-            raise _bad(where, "usage.cost_usd", "must be a finite amount >= 0")
-    if u.latency_ms is not None and (
-        isinstance(u.latency_ms, bool) or not isinstance(u.latency_ms, int | float)
-    ):
-        raise _bad(where, "usage.latency_ms", "must be a number")
+        problem = cost_problem(u.cost_usd)
+        if problem:
+            raise _bad(where, "usage.cost_usd", problem)
+    if u.latency_ms is not None:
+        problem = number_problem(u.latency_ms, minimum=0)
+        if problem:
+            raise _bad(where, "usage.latency_ms", problem)
 
 
 def event_refs(e: Event) -> Iterable[tuple[str, BlobRef]]:

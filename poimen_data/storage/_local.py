@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from poimen_data.errors import NotFound
+from poimen_data.storage import _dest
 from poimen_data.storage._base import PARALLEL_HASH_BYTES, Storage
 from poimen_data.storage._writer import AtomicWriter, HashingSink
 
@@ -195,25 +196,24 @@ class LocalStorage(Storage):
         os.replace(tmp, dpath)
 
     def open_atomic(self, rel: str) -> AtomicWriter:
+        """An export's writer (see ``_dest``): only a regular file or nothing is replaced,
+        the directory must exist, and a dead export's temp file is swept by the next one."""
         path = self.full(rel)
-        parent, _, name = path.rpartition("/")
-        tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
+        _dest.check_dest(path)
+        tmp: list[str] = []
 
         def open_tmp() -> Any:
-            os.makedirs(parent, exist_ok=True)
-            return open(tmp, "wb")  # noqa: SIM115 - closed by publish or discard
+            f, name = _dest.open_temp(path)
+            tmp.append(name)
+            return f
 
         def publish(f: Any) -> None:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            os.replace(tmp, path)
+            _dest.publish(f, tmp[0], path)
 
         def discard(f: Any) -> None:
             with contextlib.suppress(Exception):
                 f.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            _dest.discard(tmp[0] if tmp else None)
 
         return AtomicWriter(path, open_tmp, publish, discard)
 

@@ -1,0 +1,416 @@
+"""Values outside what storage holds (issue 16, A and B): a ``ValidationError`` naming the
+event, the field and the limit, on the event and the bulk paths alike, storage untouched;
+values inside the limits commit and read back exactly."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import poimen_data as pdm
+from poimen_data import cli
+from poimen_data.errors import ValidationError
+from poimen_data.events import (
+    EVENT_SCHEMA,
+    AttemptDispatched,
+    AttemptFinished,
+    BranchForked,
+    RunCancelled,
+    RunStarted,
+    ToolInfo,
+    Usage,
+    VerdictRecorded,
+)
+
+T = "acme"
+MAX = 2**63 - 1
+TS_MIN = datetime(1, 1, 1, tzinfo=UTC)
+TS_MAX = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+COST_MAX = Decimal("999999999.999999999")
+
+
+def _new_log() -> pdm.EventLog:
+    return pdm.open_log(f"memory://values-{uuid.uuid4().hex}")
+
+
+def _files(log: pdm.EventLog) -> dict[str, bytes]:
+    fs = fsspec.filesystem("memory")
+    root = log.root.removeprefix("memory://")
+    return {p: fs.cat_file(p) for p in fs.find(root)}
+
+
+def _finished(**kw: Any) -> AttemptFinished:
+    return AttemptFinished(T, "r", 0, "s", 1, "failed", **kw)
+
+
+def _verdict(**kw: Any) -> VerdictRecorded:
+    return VerdictRecorded(T, "r", 0, "v@1", 1, True, **kw)
+
+
+PLUS1 = timezone(timedelta(hours=1))
+EVENT_CASES = [  # (event, field, words of the message naming the limit)
+    (AttemptDispatched(T, "r", 0, "s", 0, 2**63), "attempt_no", "[1, 2**63 - 1]"),
+    (AttemptDispatched(T, "r", 2**63, "s", 0, 1), "branch_id", "[0, 2**63 - 1]"),
+    (AttemptDispatched(T, "r", 0, "s", 2**64, 1), "step_index", "[0, 2**63 - 1]"),
+    (BranchForked(T, "r", 1, 0, 2**63), "fork_step_index", "[0, 2**63 - 1]"),
+    (VerdictRecorded(T, "r", 0, "v@1", 2**63, True), "snapshot_lsn", "[1, 2**63 - 1]"),
+    (_finished(usage=Usage(input_tokens=2**63)), "usage.input_tokens", "[0, 2**63 - 1]"),
+    (_finished(usage=Usage(reasoning_tokens=2**70)), "usage.reasoning_tokens", "2**63 - 1"),
+    (_finished(usage=Usage(latency_ms=10**400)), "usage.latency_ms", "finite double"),
+    (_finished(usage=Usage(latency_ms=-1.0)), "usage.latency_ms", ">= 0"),
+    (_finished(usage=Usage(latency_ms=math.nan)), "usage.latency_ms", "finite double"),
+    (_finished(usage=Usage(latency_ms=math.inf)), "usage.latency_ms", "finite double"),
+    (_finished(usage=Usage(cost_usd=Decimal("1e9"))), "usage.cost_usd", "at most"),
+    (_finished(usage=Usage(cost_usd=Decimal("1e30"))), "usage.cost_usd", "at most"),
+    (_finished(usage=Usage(cost_usd=Decimal("sNaN"))), "usage.cost_usd", "finite amount"),
+    (_finished(usage=Usage(cost_usd=Decimal("NaN"))), "usage.cost_usd", "finite amount"),
+    (_finished(usage=Usage(cost_usd=Decimal("-Infinity"))), "usage.cost_usd", "finite"),
+    (_finished(usage=Usage(cost_usd=Decimal("1e-20"))), "usage.cost_usd", "9 decimals"),
+    (_finished(usage=Usage(cost_usd=Decimal("0.1234567891"))), "usage.cost_usd", "9 decimals"),
+    (_verdict(score=10**400), "score", "finite double"),
+    (_verdict(score=math.nan), "score", "finite double"),
+    (_verdict(score=2**53 + 1), "score", "exactly representable"),
+    (_finished(error="a\ud800b"), "error", "UTF-8"),
+    (AttemptFinished(T, "r", 0, "s\udfff", 1, "failed"), "step_id", "UTF-8"),
+    (RunStarted(T, "r", "wf\ud800"), "workflow_version", "UTF-8"),
+    (RunStarted(T, "r", "wf", labels={"k": "\ud800"}), "labels", "UTF-8"),
+    (_verdict(detail="\udc00"), "detail", "UTF-8"),
+    (RunCancelled(T, "r", reason="\ud800"), "reason", "UTF-8"),
+    (_finished(tools=ToolInfo(("ok", "\ud800"))), "tools.calls", "UTF-8"),
+    (VerdictRecorded(T, "r", 0, "v\ud800@1", 1, True), "verifier", "name@version"),
+    (RunStarted(T, "r", "wf", ts=datetime(1, 1, 1, 0, 30, tzinfo=PLUS1)), "ts",
+     "0001-01-01 .. 9999-12-31 UTC"),
+    (RunStarted(T, "r", "wf", ts=datetime(9999, 12, 31, 23, 30,
+                                           tzinfo=timezone(-timedelta(hours=1)))), "ts",
+     "0001-01-01 .. 9999-12-31 UTC"),
+    (RunStarted(T, "r", "wf", ts=datetime(2024, 1, 1)), "ts", "timezone-aware"),
+]
+
+
+@pytest.mark.parametrize(("event", "field", "limit"), EVENT_CASES,
+                         ids=[f"{c[1]}-{i}" for i, c in enumerate(EVENT_CASES)])
+def test_a_value_storage_cannot_hold_is_a_validation_error(event: Any, field: str,
+                                                           limit: str) -> None:
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "first", "wf"))
+    before = _files(log)
+    with pytest.raises(ValidationError) as info, log.transaction() as tx:
+        tx.append(RunStarted(T, "other", "wf"))
+        tx.append(event)
+    msg = str(info.value)
+    assert msg.startswith(f"event 1 ({event.kind}): field '{field}' "), msg
+    assert limit in msg, msg
+    assert _files(log) == before and log.head == 1
+
+
+def _bulk(ts: pa.Array | None = None, **cols: pa.Array) -> pa.Table:
+    n = len(next(iter(cols.values()))) if cols else len(ts)  # type: ignore[arg-type]
+    base = {"kind": pa.array(["verdict_recorded"] * n), "tenant": pa.array([T] * n),
+            "run_id": pa.array(["r"] * n), "branch_id": pa.array([0] * n),
+            "verifier": pa.array(["v@1"] * n), "snapshot_lsn": pa.array([1] * n),
+            "passed": pa.array([True] * n)}
+    if ts is not None:
+        base["ts"] = ts
+    base.update(cols)
+    return pa.table(base)
+
+
+def _usage(**kw: Any) -> pa.Array:
+    return pa.array([None, kw], EVENT_SCHEMA.field("usage").type)
+
+
+def _bad_utf8() -> pa.Array:
+    offsets = pa.py_buffer(np.array([0, 2, 5], np.int32).tobytes())
+    return pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xed\xa0\x80")])
+
+
+TS_UTC = pa.timestamp("us", tz="UTC")
+FINISHED = {"kind": pa.array(["attempt_finished"] * 2), "step_id": pa.array(["s", "s"]),
+            "attempt_no": pa.array([1, 1]), "state": pa.array(["failed", "failed"]),
+            "verifier": pa.nulls(2, pa.string()), "snapshot_lsn": pa.nulls(2, pa.int64()),
+            "passed": pa.nulls(2, pa.bool_())}
+BULK_CASES = [  # (table, message fragment)
+    (_bulk(pa.array([datetime(2024, 1, 1)], pa.timestamp("us"))), "column 'ts' has type "
+     "timestamp[us], naive"),
+    (_bulk(pa.array([0, MAX], TS_UTC)), "row 1 (verdict_recorded): field 'ts' must be within "
+     "0001-01-01 .. 9999-12-31 UTC"),
+    (_bulk(pa.array([-(2**63) + 1], TS_UTC)), "row 0 (verdict_recorded): field 'ts' must be "
+     "within 0001-01-01"),
+    (_bulk(pa.array([0, 253_402_300_800_000_000], TS_UTC)), "row 1 (verdict_recorded): field "
+     "'ts' must be within"),
+    (_bulk(score=pa.array([1.0, math.nan])), "row 1 (verdict_recorded): field 'score' must be "
+     "a finite double"),
+    (_bulk(score=pa.array([-math.inf, 1.0])), "row 0 (verdict_recorded): field 'score' must be "
+     "a finite double"),
+    (_bulk(detail=_bad_utf8()), "row 1 (verdict_recorded): field 'detail' must be valid UTF-8"),
+    (_bulk(run_id=_bad_utf8()), "row 1 (verdict_recorded): field 'run_id' must be valid UTF-8"),
+    (pa.concat_tables([_bulk(detail=pa.array(["ok"] * 9000)),  # bad text past a slice's
+                       _bulk(detail=_bad_utf8())]).combine_chunks().slice(9001),  # start
+     "row 0 (verdict_recorded): field 'detail' must be valid UTF-8"),
+    (_bulk(kind=pa.array(["run_started"] * 2), verifier=pa.nulls(2, pa.string()),
+           snapshot_lsn=pa.nulls(2, pa.int64()), passed=pa.nulls(2, pa.bool_()),
+           branch_id=pa.nulls(2, pa.int64()), workflow_version=pa.array(["w", "w"]),
+           labels=pa.MapArray.from_arrays(pa.array([0, 1, 2], pa.int32()), pa.array(["a", "b"]),
+                                          _bad_utf8())),
+     "field 'labels' must be valid UTF-8"),
+    (_bulk(usage=_usage(latency_ms=-0.5), **FINISHED), "row 1 (attempt_finished): field "
+     "'usage.latency_ms' must be >= 0"),
+    (_bulk(usage=_usage(latency_ms=math.nan), **FINISHED), "row 1 (attempt_finished): field "
+     "'usage.latency_ms' must be a finite double"),
+    (_bulk(branch_id=pa.array([0, 2**64 - 1], pa.uint64())), "column 'branch_id' has type "
+     "uint64"),
+]
+
+
+@pytest.mark.parametrize(("table", "message"), BULK_CASES,
+                         ids=[f"bulk-{i}" for i in range(len(BULK_CASES))])
+def test_the_bulk_path_refuses_the_same_values(table: pa.Table, message: str) -> None:
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "r", "wf"))
+    before = _files(log)
+    with pytest.raises(ValidationError) as info, log.transaction() as tx:
+        tx.extend(table)
+    assert message in str(info.value), str(info.value)
+    assert _files(log) == before and log.head == 1
+
+
+def test_the_limits_themselves_commit_and_read_back(tmp_path: Any) -> None:
+    """The extreme values each limit admits, on both paths, through the views and the
+    CLI (which printed an OverflowError traceback for a year-0 start before)."""
+    log = pdm.open_log(str(tmp_path / "log"))
+    usage = Usage(MAX, 0, MAX, 1, COST_MAX, 1.7976931348623157e308)
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "lo", "wf", labels={"ключ": "値"}, ts=TS_MIN))
+        tx.append(AttemptFinished(T, "lo", MAX, "s", MAX, "failed", usage=usage,
+                                  error="ошибка ✓", ts=TS_MAX))
+        tx.append(_verdict(score=-1.7976931348623157e308, detail="détail"))
+    with log.transaction() as tx:
+        tx.extend(_bulk(pa.array([TS_MIN, TS_MAX], TS_UTC), run_id=pa.array(["hi", "hi"]),
+                        score=pa.array([2.0**53, -0.0])))
+    con = pdm.connect(log)
+    got = con.execute("select ts, usage, error from events where kind = 'attempt_finished'"
+                      ).fetchall()
+    assert got == [(TS_MAX, {"input_tokens": MAX, "output_tokens": 0,
+                             "cache_read_input_tokens": MAX, "reasoning_tokens": 1,
+                             "cost_usd": COST_MAX, "latency_ms": 1.7976931348623157e308},
+                    "ошибка ✓")]
+    assert con.execute("select run_id, started_at from runs where run_id = 'lo'").fetchall() \
+        == [("lo", TS_MIN)]
+    assert con.execute("select ts, score from events where run_id = 'hi' order by lsn"
+                       ).fetchall() == [(TS_MIN, 2.0**53), (TS_MAX, 0.0)]
+    con.close()
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(cli.app, ["sql", "--root", str(tmp_path / "log"), "--json",
+                                     "select run_id, started_at from runs"])
+    assert r.exit_code == 0, r.output
+    assert '"started_at": "0001-01-01T00:00:00+00:00"' in r.output
+
+
+# --- the property ------------------------------------------------------------------------
+
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=8)
+INTS = st.one_of(st.integers(-3, 5), st.sampled_from([MAX - 1, MAX, MAX + 1, 2**64, -(2**63)]),
+                 st.integers())
+FLOATS = st.one_of(st.floats(), st.sampled_from([10**400, 2**53 + 1, 2**53, -1, 0, 7]))
+DECIMALS = st.one_of(
+    st.decimals(allow_nan=True, allow_infinity=True),
+    st.decimals(min_value=0, max_value=COST_MAX, places=9),
+    st.sampled_from([Decimal("sNaN"), Decimal("1e9"), COST_MAX, Decimal("1e-20"),
+                     Decimal("1.0000000000"), Decimal("1E+30"), Decimal("-0"), 5, 2**70]))
+OFFSETS = st.timedeltas(min_value=-timedelta(hours=23, minutes=59),
+                        max_value=timedelta(hours=23, minutes=59)
+                        ).map(lambda d: timezone(timedelta(minutes=d // timedelta(minutes=1))))
+STAMPS = st.one_of(st.datetimes(timezones=st.one_of(st.none(), OFFSETS)),
+                   st.sampled_from([TS_MIN, TS_MAX, datetime(1, 1, 1, tzinfo=PLUS1)]))
+
+
+def _int_ok(v: Any, minimum: int) -> bool:
+    return type(v) is int and minimum <= v <= MAX
+
+
+def _float_ok(v: Any, minimum: float | None = None) -> bool:
+    if isinstance(v, float):
+        ok = math.isfinite(v)
+    else:
+        try:
+            ok = float(v) == v
+        except OverflowError:
+            ok = False
+    return ok and (minimum is None or v >= minimum)
+
+
+def _cost_ok(v: Any) -> bool:
+    d = Decimal(v)
+    return d.is_finite() and 0 <= d <= COST_MAX and d == round(d, 9)
+
+
+def _text_ok(v: str, longest: int | None = None) -> bool:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return longest is None or 0 < len(v) <= longest
+
+
+def _ts_ok(v: datetime) -> bool:
+    if v.utcoffset() is None:
+        return False
+    try:
+        v.astimezone(UTC)
+    except OverflowError:
+        return False
+    return True
+
+
+WILD = {"ts": STAMPS, "workflow_version": ANY_TEXT, "step_id": ANY_TEXT, "attempt_no": INTS,
+        "tokens": INTS, "cost": DECIMALS, "latency": FLOATS, "error": ANY_TEXT,
+        "snapshot_lsn": INTS, "score": FLOATS, "detail": ANY_TEXT, "label": ANY_TEXT}
+GOOD_TEXT = st.text(min_size=1, max_size=8)  # hypothesis leaves surrogates out by default
+TAME = {"ts": st.one_of(st.datetimes(timezones=OFFSETS, min_value=datetime(2, 1, 1),
+                                     max_value=datetime(9998, 12, 31)),
+                        st.sampled_from([TS_MIN, TS_MAX])),
+        "workflow_version": GOOD_TEXT, "step_id": GOOD_TEXT,
+        "attempt_no": st.integers(1, MAX), "tokens": st.integers(0, MAX),
+        "cost": st.decimals(min_value=0, max_value=COST_MAX, places=9),
+        "latency": st.floats(min_value=0, allow_infinity=False),
+        "error": GOOD_TEXT, "snapshot_lsn": st.integers(1, MAX),
+        "score": st.floats(allow_nan=False, allow_infinity=False),
+        "detail": GOOD_TEXT, "label": GOOD_TEXT}
+
+
+@st.composite
+def _values(draw: st.DrawFn) -> dict[str, Any]:
+    """Every field within its limits but for up to two, drawn from anything (at, past
+    and far past the limits), so both commits and refusals are common."""
+    wild = draw(st.sets(st.sampled_from(sorted(WILD)), max_size=2))
+    return {k: draw(WILD[k] if k in wild else TAME[k]) for k in sorted(WILD)}
+
+
+VALUES = _values()
+
+
+def _ok(v: dict[str, Any]) -> bool:
+    return (_ts_ok(v["ts"]) and _text_ok(v["workflow_version"], 256)
+            and _text_ok(v["step_id"], 256) and _int_ok(v["attempt_no"], 1)
+            and _int_ok(v["tokens"], 0) and _cost_ok(v["cost"]) and _float_ok(v["latency"], 0)
+            and _text_ok(v["error"]) and _int_ok(v["snapshot_lsn"], 1)
+            and _float_ok(v["score"]) and _text_ok(v["detail"]) and _text_ok(v["label"]))
+
+
+def _events(v: dict[str, Any]) -> list[Any]:
+    return [RunStarted(T, "r", v["workflow_version"], labels={"k": v["label"]}, ts=v["ts"]),
+            AttemptFinished(T, "r", 0, v["step_id"], v["attempt_no"], "failed",
+                            usage=Usage(input_tokens=v["tokens"], cost_usd=v["cost"],
+                                        latency_ms=v["latency"]), error=v["error"]),
+            VerdictRecorded(T, "r", 0, "v@1", v["snapshot_lsn"], True, score=v["score"],
+                            detail=v["detail"])]
+
+
+def _table(v: dict[str, Any]) -> pa.Table:
+    """The same three events as a bulk table; raises when Arrow itself cannot hold a value
+    (then there is nothing to hand to ``extend``)."""
+    ts_type = TS_UTC if v["ts"].utcoffset() is not None else pa.timestamp("us")
+    rows = [
+        {"ts": v["ts"], "kind": "run_started", "tenant": T, "run_id": "r",
+         "workflow_version": v["workflow_version"], "labels": [("k", v["label"])]},
+        {"ts": v["ts"], "kind": "attempt_finished", "tenant": T, "run_id": "r",
+         "branch_id": 0, "step_id": v["step_id"], "attempt_no": v["attempt_no"],
+         "state": "failed", "error": v["error"],
+         "usage": {"input_tokens": v["tokens"], "cost_usd": Decimal(v["cost"]),
+                   "latency_ms": v["latency"]}},
+        {"ts": v["ts"], "kind": "verdict_recorded", "tenant": T, "run_id": "r",
+         "branch_id": 0, "verifier": "v@1", "snapshot_lsn": v["snapshot_lsn"],
+         "passed": True, "score": v["score"], "detail": v["detail"]}]
+    schema = pa.schema([pa.field("ts", ts_type)] + list(EVENT_SCHEMA)[1:])
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _read_back(log: pdm.EventLog) -> list[Any]:
+    con = pdm.connect(log)
+    try:
+        return con.execute(
+            "select e.ts, e.workflow_version, e.labels, a.step_id, a.attempt_no, a.usage, "
+            "a.error, v.snapshot_lsn, v.score, v.detail from events e, attempts a, verdicts v "
+            "where e.kind = 'run_started' and e.run_id = 'r'").fetchall()
+    finally:
+        con.close()
+
+
+def _expected(v: dict[str, Any]) -> list[Any]:
+    usage = {"input_tokens": v["tokens"], "output_tokens": None,
+             "cache_read_input_tokens": None, "reasoning_tokens": None,
+             "cost_usd": Decimal(v["cost"]), "latency_ms": float(v["latency"])}
+    return [(v["ts"], v["workflow_version"], {"k": v["label"]}, v["step_id"],
+             v["attempt_no"], usage, v["error"], v["snapshot_lsn"], float(v["score"]),
+             v["detail"])]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(VALUES, st.booleans())
+def test_values_commit_and_read_back_exactly_or_are_refused(v: dict[str, Any],
+                                                            bulk: bool) -> None:
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "before", "wf"))
+    before = _files(log)
+    if bulk:
+        try:
+            table = _table(v)
+        except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError,
+                ArithmeticError):
+            event("bulk: not expressible in Arrow")
+            return  # not expressible as an Arrow table: nothing reaches extend
+    try:
+        with log.transaction() as tx:
+            if bulk:
+                tx.extend(table)
+            else:
+                tx.extend(_events(v))
+    except ValidationError:
+        event(f"{'bulk' if bulk else 'objects'}: refused")
+        assert not _ok(v), v
+        assert _files(log) == before and log.head == 1
+        return
+    event(f"{'bulk' if bulk else 'objects'}: committed")
+    assert _ok(v), v
+    rows = _read_back(log)
+    assert rows == _expected(v)
+    assert rows[0][0].utcoffset() is not None
+
+
+def test_the_limits_export_exactly(tmp_path: Any) -> None:
+    import json
+
+    import pyarrow.parquet as pq
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    usage = Usage(MAX, 0, MAX, 1, COST_MAX, 1.7976931348623157e308)
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "lo", "wf ✓", ts=TS_MIN))
+        tx.append(AttemptDispatched(T, "lo", 0, "шаг", MAX, MAX, ts=TS_MAX))
+        tx.append(AttemptFinished(T, "lo", 0, "шаг", MAX, "failed", usage=usage))
+    want = {"input_tokens": MAX, "output_tokens": 0, "cache_read_input_tokens": MAX,
+            "reasoning_tokens": 1, "cost_usd": COST_MAX, "latency_ms": 1.7976931348623157e308}
+    pdm.export_live(log, str(tmp_path / "x.jsonl"))
+    (line,) = (tmp_path / "x.jsonl").read_text(encoding="utf-8").splitlines()
+    meta = json.loads(line)["metadata"]
+    assert (meta["step_id"], meta["step_index"], meta["attempt_no"], meta["workflow_version"]
+            ) == ("шаг", MAX, MAX, "wf ✓")
+    assert {**meta["usage"], "cost_usd": Decimal(meta["usage"]["cost_usd"])} == want
+    pdm.export_live(log, str(tmp_path / "x.parquet"), format="parquet")
+    (row,) = pq.read_table(tmp_path / "x.parquet").to_pylist()
+    assert {k: row[k] for k in want} == want
+    assert (row["step_index"], row["attempt_no"]) == (MAX, MAX)
