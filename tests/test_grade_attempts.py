@@ -399,20 +399,44 @@ def test_the_golden_log_reads_as_before_and_takes_attempt_verdicts(tmp_path: Pat
 
 
 def test_a_segment_lacking_a_column_reads_it_as_null(tmp_path: Path) -> None:
-    """How the next schema change will read old segments: a segment written without a
-    column (here: as if ``summary`` did not exist yet) reads with that column null."""
+    """How the next schema change will read old segments: a committed segment written
+    without a column (here: as if ``detail`` did not exist yet, manifest and all) reads
+    with that column null, and the verdict in it folds with a null detail."""
+    import hashlib
+    import json
+
+    from poimen_data.log._manifest import loads, manifest_path
     from poimen_data.model import conform_segment
 
-    log = pdm.open_log(str(tmp_path / "log"))
+    root = tmp_path / "log"
+    log = pdm.open_log(str(root))
     record_run(log, "r1", [("plan", ["succeeded"])])
-    t = log.read_events()
-    older = t.drop_columns(["summary"])
-    read = conform_segment(older, "seg")
-    assert read.schema == t.schema
-    assert read.column("summary").null_count == read.num_rows == 4
-    assert read.drop_columns(["summary"]).equals(older)
+    with log.transaction() as tx:
+        tx.append(E.VerdictRecorded("acme", "r1", 0, "v@1", 4, True, 1.0, "fine"))
+    seq = tx.commit_info.seq
+    doc = loads((root / manifest_path(seq)).read_bytes(), "m")
+    (seg,) = doc["segments"]
+    full = pa.ipc.open_file(pa.memory_map(str(root / seg["path"]))).read_all()
+    older = full.drop_columns(["detail"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, older.schema) as w:
+        w.write_table(older)
+    data = sink.getvalue().to_pybytes()
+    (root / seg["path"]).write_bytes(data)
+    seg.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (root / manifest_path(seq)).write_bytes(dumps(doc))
+    assert json.loads((root / manifest_path(seq)).read_bytes())["segments"][0]["size"] == len(
+        data)
+
+    fresh = pdm.open_log(str(root), create=False)
+    events = fresh.read_events()
+    assert events.schema == E.LOG_SCHEMA
+    assert events.column("detail").to_pylist()[-1] is None
+    with pdm.connect(fresh) as con:
+        assert con.execute("select verifier, passed, score, detail from verdicts"
+                           ).fetchall() == [("v@1", True, 1.0, None)]
     with pytest.raises(pdm.CorruptionError, match="seg: .*no column 'kind'"):
-        conform_segment(t.drop_columns(["kind"]), "seg")
+        conform_segment(events.drop_columns(["kind"]), "seg")
 
 
 # --- where attempt verdicts show: export, poimen show, poimen grade ---------------------
