@@ -13,12 +13,14 @@ from poimen_data.errors import (
     LeaseHeld,
     NotFound,
     PoimenError,
+    StateChanged,
     TenantMismatch,
     ValidationError,
 )
+from poimen_data.fold._check import CheckReport, check
 from poimen_data.fold._fold import connect
-from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, check, episode
-from poimen_data.fold._state import materialize
+from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, episode
+from poimen_data.fold._state import MaterializeReport, materialize
 from poimen_data.jobs._export import ExportProgress, ExportReport, export_live
 from poimen_data.jobs._grade import GradeReport, Verdict, VerifierCtx, grade
 from poimen_data.jobs._maint import compact, reduce, vacuum
@@ -31,6 +33,7 @@ __all__ = [
     "BlobRef",
     "BlobStore",
     "BranchView",
+    "CheckReport",
     "CommitConflict",
     "CommitInfo",
     "ContextPartition",
@@ -42,8 +45,10 @@ __all__ = [
     "FsBlobStore",
     "GradeReport",
     "LeaseHeld",
+    "MaterializeReport",
     "NotFound",
     "PoimenError",
+    "StateChanged",
     "TenantMismatch",
     "ToolInfo",
     "Transaction",
