@@ -221,6 +221,8 @@ class MaterializeReport:
     seconds: float
 
     def __str__(self) -> str:
+        if not self.full and not self.runs_folded and not self.files_written:
+            return f"state covers LSN {self.lsn} (head {self.head}): already current"
         how = "full rebuild" if self.full else "incremental"
         return (f"state covers LSN {self.lsn} (head {self.head}): {how}, "
                 f"{self.runs_folded:,} runs folded into {self.files_written} files "
@@ -438,6 +440,23 @@ def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None,
     return ptr
 
 
+def files_in_use(log: EventLog) -> set[str] | None:
+    """Every file under ``state/`` that a reader of the current or the previous generation
+    may open (for vacuum), or None when the pointer cannot be read (then keep everything)."""
+    try:
+        ptr = read_pointer(log)
+    except CorruptionError:
+        return None
+    keep = {POINTER}
+    if ptr is None:
+        return keep
+    keep |= {gen_path(ptr.gen), gen_path(ptr.gen - 1)}
+    for f in (f for es in ptr.tables.values() for f in es):
+        keep |= set(ptr.locations(f))
+    keep |= {prev_path(p) for p in ptr.prev_files}
+    return keep
+
+
 def _move_aside(log: EventLog, path: str) -> None:
     try:
         log.storage.move(path, prev_path(path))
@@ -569,5 +588,6 @@ def _fold_on_worker(root: str, storage_options: dict[str, Any], lsn: int, memory
 
 
 __all__ = ["INDEX", "POINTER", "STATE_TABLES", "FileEntry", "MaterializeReport", "Pointer",
-           "materialize", "parquet_bytes", "read_bytes", "read_file", "read_pointer",
+           "files_in_use", "materialize", "parquet_bytes", "read_bytes", "read_file",
+           "read_pointer",
            "read_run", "table_schemas", "usable_pointer"]
