@@ -287,24 +287,54 @@ def bucket_filter(buckets: tuple[int, ...], with_reductions: bool) -> str:
     return f"WHERE {cond}" + (" OR run_id IS NULL" if with_reductions else "")
 
 
+def _fold_group(con: duckdb.DuckDBPyConnection, w: Writer, *, with_reductions: bool) -> pa.Table:
+    """Fold the ``events`` table of ``con`` (one group's events) into files; drop it and
+    return the group's run index rows."""
+    con.execute(INDEX_SQL.format(rpc=RUNS_PER_CHUNK, bucket=bucket_sql()))
+    names = PER_RUN_TABLES + (("reductions",) if with_reductions else ())
+    create_fold_tables(con, names, ordered=False, temp=True)
+    con.execute("DROP TABLE events")  # the fold tables hold what is left to write
+    for t in PER_RUN_TABLES:
+        write_per_run(con, w, t, t)
+    if with_reductions:
+        write_reductions(con, w)
+    index = con.sql("SELECT run_id, bucket, chunk, first_lsn FROM _index").to_arrow_table()
+    for t in (*names, "attempts", "branches", "_index"):
+        con.execute(f"DROP TABLE IF EXISTS {t}")
+    return index
+
+
 def full_pass(log: EventLog, lsn: int, buckets: tuple[int, ...], w: Writer, budget: Budget,
               *, with_reductions: bool) -> pa.Table:
-    """Fold the runs of ``buckets`` (and the reductions when asked) at ``lsn`` into files;
-    returns their rows of the run index."""
+    """Fold the runs of ``buckets`` (and the reductions when asked) at ``lsn`` into files,
+    scanning the segments for them (what a Dask worker does); returns their index rows."""
     with connection(budget) as con:
         con.register("_scan", log.scan_events(lsn, batch_rows=BATCH_ROWS))
         con.execute("CREATE TEMP TABLE events AS SELECT * FROM _scan "
                     + bucket_filter(buckets, with_reductions))
         con.unregister("_scan")
-        con.execute(INDEX_SQL.format(rpc=RUNS_PER_CHUNK, bucket=bucket_sql()))
-        names = PER_RUN_TABLES + (("reductions",) if with_reductions else ())
-        create_fold_tables(con, names, ordered=False, temp=True)
-        con.execute("DROP TABLE events")  # the fold tables hold what is left to write
-        for t in PER_RUN_TABLES:
-            write_per_run(con, w, t, t)
-        if with_reductions:
-            write_reductions(con, w)
-        return con.sql("SELECT run_id, bucket, chunk, first_lsn FROM _index").to_arrow_table()
+        return _fold_group(con, w, with_reductions=with_reductions)
+
+
+def full_passes(log: EventLog, lsn: int, groups: list[tuple[int, ...]], w: Writer,
+                budget: Budget) -> list[pa.Table]:
+    """Every group in one process: the segments are scanned once into a DuckDB table
+    tagged with each event's bucket (spilled under the budget), then each group's
+    events are selected from it and folded alone. Reductions fold with the first group."""
+    if len(groups) == 1:
+        return [full_pass(log, lsn, groups[0], w, budget, with_reductions=True)]
+    out = []
+    with connection(budget) as con:
+        con.register("_scan", log.scan_events(lsn, batch_rows=BATCH_ROWS))
+        con.execute(f"CREATE TEMP TABLE _all AS SELECT *, coalesce({bucket_sql()}, -1) "
+                    "AS _b FROM _scan")
+        con.unregister("_scan")
+        for i, g in enumerate(groups):
+            keep = ", ".join(map(str, (*g, -1) if i == 0 else g))
+            con.execute(f"CREATE TEMP TABLE events AS SELECT * EXCLUDE (_b) FROM _all "
+                        f"WHERE _b IN ({keep})")
+            out.append(_fold_group(con, w, with_reductions=i == 0))
+    return out
 
 
 def index_file(w: Writer, index: pa.Table) -> None:

@@ -48,6 +48,7 @@ GEN_DIR = "state/_gen"
 PENDING_DIR = "state/_pending"
 PREV_DIR = "state/_prev"
 MAX_PUBLISH_TRIES = 8
+PASS_FACTOR = 8
 
 
 def gen_path(gen: int) -> str:
@@ -243,10 +244,11 @@ class _Build:
 def plan_groups(log: EventLog, lsn: int, budget: Budget,
                 passes: int | None) -> list[tuple[int, ...]]:
     """Buckets per pass: as many passes as it takes for a pass's events (their Arrow size,
-    about their segments' size) to fit in half the budget."""
+    about their segments' size) to take at most 1/``PASS_FACTOR`` of the budget (the
+    fold's hash tables of nested values need several times the events they read)."""
     if passes is None:
         size = sum(s.size for s in log.segments(lsn))
-        passes = -(-size // max(1, budget.memory_limit // 2))
+        passes = -(-size * PASS_FACTOR // max(1, budget.memory_limit))
     n = max(1, min(B.N_BUCKETS, passes))
     return [tuple(range(g, B.N_BUCKETS, n)) for g in range(n)]
 
@@ -270,8 +272,7 @@ def build_full(log: EventLog, lsn: int, w: Writer, budget: Budget,
     ``executor`` is given: ``remote(buckets, with_reductions)`` runs there)."""
     b = _Build({}, full=True, buckets=B.N_BUCKETS)
     if executor is None:
-        index = [B.full_pass(log, lsn, g, w, budget, with_reductions=i == 0)
-                 for i, g in enumerate(groups)]
+        index = B.full_passes(log, lsn, groups, w, budget)
     else:
         futures = [executor.submit(remote, g, i == 0, pure=False)
                    for i, g in enumerate(groups)]
