@@ -416,7 +416,7 @@ def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None,
     tables = {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.key))
               for t in STATE_TABLES}
     have = old.files() if old is not None else set()
-    ptr = Pointer(lsn, log.seq_of_lsn(lsn), FOLD_VERSION, current_settings(), tables,
+    ptr = Pointer(lsn, _seq_of(log, lsn), FOLD_VERSION, current_settings(), tables,
                   tuple(sorted(have - {f.path for e in tables.values() for f in e})),
                   gen, token)
     crash_point("state_written")
@@ -456,6 +456,13 @@ def files_in_use(log: EventLog) -> set[str] | None:
         keep |= set(ptr.locations(f))
     keep |= {prev_path(p) for p in ptr.prev_files}
     return keep
+
+
+def _seq_of(log: EventLog, lsn: int) -> int:
+    """The seq of the commit holding ``lsn``, streaming (never a whole segment held)."""
+    for rb in log.scan_events(lsn, lsn, batch_rows=1):
+        return int(rb.column("seq")[0].as_py())
+    return 0
 
 
 def _move_aside(log: EventLog, path: str) -> None:
