@@ -15,6 +15,7 @@ from poimen_data.errors import (
     LeaseHeld,
     NotFound,
     PoimenError,
+    StateChanged,
     StorageError,
     TenantMismatch,
     ValidationError,
@@ -23,12 +24,14 @@ from poimen_data.errors import (
 from poimen_data.fold import (
     AttemptView,
     BranchView,
+    CheckReport,
     EpisodeView,
+    MaterializeReport,
+    check,
     connect,
     episode,
     materialize,
 )
-from poimen_data.fold._query import CheckReport, check
 from poimen_data.jobs import (
     CompactReport,
     ExportProgress,
@@ -66,9 +69,11 @@ __all__ = [
     "FsBlobStore",
     "GradeReport",
     "LeaseHeld",
+    "MaterializeReport",
     "NotFound",
     "PoimenError",
     "ReduceReport",
+    "StateChanged",
     "StorageError",
     "TenantMismatch",
     "ToolInfo",

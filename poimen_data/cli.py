@@ -361,14 +361,20 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
 
 
 @command("materialize", "poimen materialize --root ./poimen-data")
-def materialize(root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+def materialize(full: Annotated[bool, typer.Option(
+                    "--full", help="Rebuild every file (e.g. after a damaged state file).")]
+                = False,
+                memory_limit: Annotated[str | None, typer.Option(
+                    "--memory-limit", help="What the fold may hold, e.g. 2GB (default: a "
+                    "quarter of the machine, at most 2GB; DuckDB spills the rest).")] = None,
+                root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Refresh the materialized state (incremental: folds only the new commits)."""
     log = open_root(root)
-    lsn = pdm.materialize(log)
+    r = pdm.materialize(log, full=full, memory_limit=memory_limit)
     if as_json:
-        emit_json({"covers_lsn": lsn, "head": log.head})
+        emit_json(r)
     else:
-        out.print(f"state covers LSN {lsn} (head {log.head})")
+        out.print(str(r))
 
 
 @command("check", "poimen check --root ./poimen-data")

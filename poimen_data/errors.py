@@ -28,6 +28,11 @@ class NotFound(PoimenError, FileNotFoundError):
     """No committed object exists under that name (run, body, state, log)."""
 
 
+class StateChanged(PoimenError):
+    """A materialized-state file named by the pointer a reader holds is gone because newer
+    generations replaced it meanwhile: read the pointer again and retry (never damage)."""
+
+
 class LeaseHeld(PoimenError):
     """Another process holds the maintenance lease (vacuum, reduce, compact)."""
 
@@ -49,6 +54,7 @@ __all__ = [
     "NotFound",
     "PoimenError",
     "StorageError",
+    "StateChanged",
     "TenantMismatch",
     "ValidationError",
     "WritersActive",

@@ -181,7 +181,15 @@ def test_materialize_check_grade_export(demo_root, tmp_path: Path) -> None:
     root, _ = demo_root
     head = pdm.open_log(root, create=False).head
     r = poimen("materialize", "--root", root)
-    assert (r.exit_code, r.stdout) == (0, f"state covers LSN {head} (head {head})\n")
+    assert r.exit_code == 0
+    assert r.stdout.startswith(f"state covers LSN {head} (head {head}): ")
+    r = poimen("materialize", "--root", root, "--json")
+    assert json.loads(r.stdout)["lsn"] == head
+    r = poimen("materialize", "--full", "--memory-limit", "256MB", "--root", root, "--json")
+    rep = json.loads(r.stdout)
+    assert (r.exit_code, rep["lsn"], rep["full"]) == (0, head, True)
+    r = poimen("materialize", "--memory-limit", "lots", "--root", root)
+    assert r.exit_code != 0 and "memory_limit 'lots'" in r.stderr
     r = poimen("check", "--root", root)
     assert r.exit_code == 0
     assert r.stdout.startswith(f"state at lsn {head} equals a cold re-fold: ")

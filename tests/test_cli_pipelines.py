@@ -37,8 +37,8 @@ def test_the_whole_chain_with_a_summary(root: str, tmp_path: Path, capsys) -> No
         "select count(*) from runs where state = 'verifying'").fetchall()[0][0]
     assert results["grade"]["data"]["runs_graded"] == verifying
     head = pdm.open_log(root, create=False).head
-    assert results["materialize"] == {**results["materialize"], "status": "ok",
-                                      "data": {"covers_lsn": head}}
+    assert results["materialize"]["status"] == "ok"
+    assert results["materialize"]["data"]["lsn"] == results["materialize"]["data"]["head"] == head
     assert results["export"]["status"] == "ok"
     assert Path(out, "live.jsonl").stat().st_size > 0
     assert Path(out, "live.parquet").stat().st_size > 0
@@ -56,8 +56,10 @@ def test_tables_for_people(root: str, capsys) -> None:
 def test_each_stage_alone(root: str) -> None:
     log = pdm.open_log(root, create=False)
     r = stages.materialize(log)
-    assert (r.status, r.data) == ("ok", {"covers_lsn": log.head})
-    assert r.detail == f"state covers LSN {log.head} (head {log.head})"
+    assert (r.status, r.data["lsn"], r.data["full"]) == ("ok", log.head, True)
+    assert r.detail.startswith(f"state covers LSN {log.head} (head {log.head}): full rebuild, ")
+    r = stages.materialize(log)
+    assert r.detail == f"state covers LSN {log.head} (head {log.head}): already current"
     r = stages.grade(log)
     assert r.status == "ok" and r.data["verdicts_recorded"] == 2 * r.data["runs_graded"]
     r = stages.grade(log)  # already graded at these snapshots: nothing new

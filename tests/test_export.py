@@ -133,7 +133,7 @@ def sha(path: Path) -> str:
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs"])
 def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     log, _ = rich_log(str(tmp_path / "log"))
-    assert materialize(log) == log.head
+    assert materialize(log).lsn == log.head
     a = export_live(log, tmp_path / "state.out", format=fmt, source="state")
     cold = pdm.open_log(str(tmp_path / "log"))  # a fresh handle: nothing cached
     b = export_live(cold, tmp_path / "log.out", format=fmt, source="log")
@@ -155,7 +155,7 @@ def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
 def test_auto_serves_an_older_state_and_refolds_only_what_changed(tmp_path: Path,
                                                                   fmt: str) -> None:
     log, _ = rich_log(str(tmp_path / "log"))
-    at = materialize(log)
+    at = materialize(log).lsn
     r = Recorder(log)
     r.attempt("r-c", 0, "ask", 0, 3, "failed")  # a touched run: a retry after the state
     r.attempt("r-c", 0, "ask", 0, 4, "succeeded")

@@ -20,7 +20,7 @@ from test_query import attempt, commit, harness
 
 import poimen_data as pdm
 from poimen_data import events as ev
-from poimen_data.fold import _fold, _state
+from poimen_data.fold import _build, _fold, _state
 from poimen_data.log._manifest import dumps
 
 T = datetime(2026, 3, 1, tzinfo=UTC)
@@ -28,9 +28,11 @@ T = datetime(2026, 3, 1, tzinfo=UTC)
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two runs per chunk, so a handful of runs spans several files per table."""
-    monkeypatch.setattr(_state, "RUNS_PER_CHUNK", 2)
-    monkeypatch.setattr(_state, "REDUCTIONS_PER_CHUNK", 2)
+    """Two buckets of two runs per chunk, so a handful of runs spans several files per
+    table."""
+    monkeypatch.setattr(_build, "N_BUCKETS", 2)
+    monkeypatch.setattr(_build, "RUNS_PER_CHUNK", 2)
+    monkeypatch.setattr(_build, "REDUCTIONS_PER_CHUNK", 2)
 
 
 @pytest.fixture
@@ -38,16 +40,26 @@ def log(tmp_path: Path) -> pdm.EventLog:
     return pdm.open_log(tmp_path / "log")
 
 
-def entries(log: pdm.EventLog) -> dict[str, list[tuple[int, str, int]]]:
+def entries(log: pdm.EventLog) -> dict[str, list[tuple[tuple[int, int], str, int]]]:
     ptr = _state.read_pointer(log)
-    return {t: [(f.chunk, f.sha256, f.rows) for f in e] for t, e in ptr.tables.items()}
+    return {t: [(f.key, f.sha256, f.rows) for f in e] for t, e in ptr.tables.items()}
 
 
-def cold_entries(log: pdm.EventLog, lsn: int) -> dict[str, list[tuple[int, str, int]]]:
-    b = _state._build_full(log, lsn)
-    return {t: [(f.chunk, f.sha256, f.rows) for f in sorted(b.tables.get(t, {}).values(),
-                                                            key=lambda f: f.chunk)]
-            for t in _state.STATE_TABLES}
+def cold_entries(log: pdm.EventLog, lsn: int,
+                 passes: int | None = None) -> dict[str, list[tuple[tuple[int, int], str, int]]]:
+    return {t: [(f.key, f.sha256, f.rows) for f in e]
+            for t, e in _state.cold_files(log, lsn, passes=passes).items()}
+
+
+def expected_keys(runs_in_start_order: list[str]) -> dict[str, tuple[int, int]]:
+    """(bucket, chunk) of each run: md5 bucket, then start order within the bucket."""
+    seen: dict[int, int] = {}
+    out = {}
+    for r in runs_in_start_order:
+        b = _build.bucket_of(r)
+        out[r] = (b, seen.get(b, 0) // _build.RUNS_PER_CHUNK)
+        seen[b] = seen.get(b, 0) + 1
+    return out
 
 
 def state_equals_views(log: pdm.EventLog) -> None:
@@ -77,9 +89,10 @@ def all_episodes(log: pdm.EventLog, source: str) -> dict[str, bytes]:
 def test_incremental_equals_cold_refold_for_every_table_and_episode(log, small_chunks) -> None:
     for i in range(5):
         harness(log, f"run-{i}")
-    first = pdm.materialize(log)
+    first = pdm.materialize(log).lsn
+    keys = expected_keys([f"run-{i}" for i in range(5)])
     before = entries(log)
-    assert [c for c, _s, _n in before["runs"]] == [0, 1, 2]
+    assert [k for k, _s, _n in before["runs"]] == sorted(set(keys.values()))
     # new runs, a cancel, a finish, a rewind of an old run, a verdict, a reduction
     harness(log, "run-5")
     harness(log, "run-6")
@@ -91,17 +104,23 @@ def test_incremental_equals_cold_refold_for_every_table_and_episode(log, small_c
                                    ts=T))
     ref = pdm.episode(log, "run-1", all_branches=True).branches[0].attempts[1].prompt
     pdm.reduce(log, [ref], lambda body: b"summary")
-    assert pdm.materialize(log) == log.head
+    r = pdm.materialize(log)
+    assert (r.lsn, r.head, r.full, r.runs_folded) == (log.head, log.head, False, 6)
 
     after = entries(log)
     assert after == cold_entries(log, log.head)
+    assert after == cold_entries(log, log.head, passes=1) == cold_entries(log, log.head, passes=2)
     assert pdm.check(log).ok
     state_equals_views(log)
     assert all_episodes(log, "state") == all_episodes(log, "log")
-    # runs keep their chunk (start order): run-5 filled chunk 2, run-6 opened chunk 3
-    assert [(c, n) for c, _s, n in after["runs"]] == [(0, 2), (1, 2), (2, 2), (3, 1)]
-    assert [(c, n) for c, _s, n in after["branches"]] == [(0, 5), (1, 4), (2, 4), (3, 2)]
-    assert [n for _c, _s, n in after["reductions"]] == [1]
+    # runs keep their (bucket, chunk): start order within the md5 bucket
+    keys = expected_keys([f"run-{i}" for i in range(7)])
+    want: dict[tuple[int, int], int] = {}
+    for k in keys.values():
+        want[k] = want.get(k, 0) + 1
+    assert [(k, n) for k, _s, n in after["runs"]] == sorted(want.items())
+    assert [n for _k, _s, n in after["reductions"]] == [1]
+    assert [n for _k, _s, n in after["anomalies"]] == [0]  # present although empty
 
 
 def test_incremental_and_full_give_the_same_bytes_and_a_repeat_is_a_no_op(log,
@@ -110,10 +129,12 @@ def test_incremental_and_full_give_the_same_bytes_and_a_repeat_is_a_no_op(log,
         harness(log, f"r{i}")
         pdm.materialize(log)
     raw = log.storage.read(_state.POINTER)
-    assert pdm.materialize(log) == log.head
+    again = pdm.materialize(log)
+    assert (again.lsn, again.files_written, again.runs_folded) == (log.head, 0, 0)
     assert log.storage.read(_state.POINTER) == raw  # nothing to do, nothing written
     incremental = entries(log)
-    pdm.materialize(log, full=True)
+    r = pdm.materialize(log, full=True)
+    assert r.full and r.runs_folded == 3 and r.buckets == 2
     assert entries(log) == incremental
 
 
@@ -122,28 +143,34 @@ def test_only_touched_chunks_are_written(log, small_chunks) -> None:
         harness(log, f"r{i}")
     pdm.materialize(log)
     old = _state.read_pointer(log)
-    commit(log, ev.RunFinished("acme", "r5", "succeeded", ts=T))  # r5 is in chunk 2
-    pdm.materialize(log)
+    commit(log, ev.RunFinished("acme", "r5", "succeeded", ts=T))
+    r = pdm.materialize(log)
     new = _state.read_pointer(log)
     changed = new.files() - old.files()
-    assert changed and all("/000002-" in p for p in changed)
+    b, c = expected_keys([f"r{i}" for i in range(6)])["r5"]
+    assert changed and all(f"/{b:02d}-{c:06d}-" in p for p in changed)
     assert {p.split("/")[1] for p in changed} == {"runs"}  # only the run row changed
+    assert (r.files_written, r.runs_folded, r.buckets) == (1, 1, 1)
 
 
-def test_old_files_are_removed_one_generation_late(log) -> None:
+def test_old_files_move_aside_and_go_one_generation_late(log) -> None:
     harness(log, "a")
     pdm.materialize(log)
     gen1 = _state.read_pointer(log).files()
     commit(log, ev.RunFinished("acme", "a", "failed", ts=T))
     pdm.materialize(log)
     gen2 = _state.read_pointer(log).files()
-    assert all(log.storage.exists(p) for p in gen1 | gen2)  # gen1 readers may be running
+    # only the current generation under state/<table>/; gen1 readers find theirs aside
+    assert all(log.storage.exists(p) for p in gen2)
+    assert not any(log.storage.exists(p) for p in gen1 - gen2)
+    assert all(log.storage.exists(_state.prev_path(p)) for p in gen1 - gen2)
     commit(log, ev.RunCancelled("acme", "a", ts=T))
     pdm.materialize(log)
     gen3 = _state.read_pointer(log).files()
     gone = gen1 - gen2 - gen3
-    assert gone and not any(log.storage.exists(p) for p in gone)
-    assert all(log.storage.exists(p) for p in gen2 | gen3)
+    assert gone and not any(log.storage.exists(_state.prev_path(p)) for p in gone)
+    assert all(log.storage.exists(_state.prev_path(p)) for p in gen2 - gen3)
+    assert all(log.storage.exists(p) for p in gen3)
 
 
 def test_state_survives_compaction(log, small_chunks) -> None:
@@ -161,7 +188,7 @@ def test_state_survives_compaction(log, small_chunks) -> None:
 def test_a_state_of_other_settings_is_rebuilt(log, monkeypatch) -> None:
     harness(log, "a")
     pdm.materialize(log)
-    monkeypatch.setattr(_state, "ROW_GROUP_SIZE", 7)
+    monkeypatch.setattr(_build, "ROW_GROUP_SIZE", 7)
     assert _state.usable_pointer(log) is None
     with pytest.raises(pdm.NotFound):
         pdm.episode(log, "a", source="state")
@@ -182,7 +209,7 @@ def _materialize_in_child(root: Path, crash_at: str) -> int:
 
 def test_crash_after_the_tables_leaves_the_old_state_served(tmp_path, log) -> None:
     harness(log, "a")
-    old_lsn = pdm.materialize(log)
+    old_lsn = pdm.materialize(log).lsn
     harness(log, "b")
     assert _materialize_in_child(tmp_path / "log", "state_written") == 137
     log = pdm.open_log(tmp_path / "log")
@@ -193,7 +220,7 @@ def test_crash_after_the_tables_leaves_the_old_state_served(tmp_path, log) -> No
         pdm.episode(log, "b", source="state")
     assert pdm.episode(log, "b") == pdm.episode(log, "b", source="log")  # auto tops up
     assert pdm.check(log).ok
-    assert pdm.materialize(log) == log.head and pdm.check(log).ok
+    assert pdm.materialize(log).lsn == log.head and pdm.check(log).ok
 
 
 def test_crash_after_the_publish_leaves_the_new_state_whole(tmp_path, log) -> None:
@@ -217,25 +244,30 @@ def test_check_names_the_first_difference(log) -> None:
     harness(log, "b")
     pdm.materialize(log)
     ok = pdm.check(log)
-    assert (ok.ok, ok.episodes, ok.files) == (True, 2, 5)  # no verdicts, anomalies, reductions
+    # 2 runs: runs, branches, attempts, trajectories at most 2 files each (buckets), plus a
+    # zero-row file for verdicts, anomalies and reductions, plus the run index
+    n_files = sum(len(e) for e in _state.read_pointer(log).tables.values())
+    assert (ok.ok, ok.episodes, ok.files) == (True, 2, n_files)
     assert "equals a cold re-fold" in str(ok)
 
     # a self-consistent state (sha256 listed right) whose runs table says something else
     ptr = _state.read_pointer(log)
-    f = ptr.tables["runs"][0]
+    f = ptr.tables["runs"][-1]
     runs = _state.read_file(log, f).to_pylist()
-    runs[1]["state"] = "succeeded"
+    runs[-1]["state"] = "succeeded"
     data = _state.parquet_bytes(pa.Table.from_pylist(runs, schema=_state.table_schemas()["runs"]))
-    forged = _state.FileEntry(0, "state/runs/000000-forged.parquet", 2, len(data),
-                              __import__("hashlib").sha256(data).hexdigest())
+    name = f"state/runs/{f.bucket:02d}-{f.chunk:06d}-forged.parquet"
+    forged = _state.FileEntry(f.chunk, name, len(runs), len(data),
+                              __import__("hashlib").sha256(data).hexdigest(), f.bucket)
     log.storage.write(forged.path, data)
     doc = ptr.to_doc()
-    doc["tables"]["runs"] = [forged.to_json()]
-    log.storage.write(_state.POINTER, dumps(doc))
+    doc["tables"]["runs"] = [*[e.to_json() for e in ptr.tables["runs"][:-1]], forged.to_json()]
+    log.storage.write(_state.gen_path(ptr.gen + 1), dumps({**doc, "gen": ptr.gen + 1}))
     bad = pdm.check(log)
     assert not bad.ok
-    assert bad.first_difference.startswith("table runs chunk 0 (state/runs/000000-forged")
-    assert "row 1 differs in ['state']" in bad.first_difference
+    assert bad.first_difference.startswith(
+        f"table runs bucket {f.bucket} chunk {f.chunk} ({name})")
+    assert f"row {len(runs) - 1} differs in ['state']" in bad.first_difference
 
     # a damaged file is named as such
     log.storage.write(forged.path, data[:-3] + b"xyz")
@@ -293,7 +325,8 @@ def test_any_split_and_materialize_points_give_the_bytes_of_one_cold_refold(ops)
     roots = [f"memory://poimen-prop-{uuid.uuid4().hex}" for _ in range(2)]
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_state, "RUNS_PER_CHUNK", 3)
+            mp.setattr(_build, "RUNS_PER_CHUNK", 3)
+            mp.setattr(_build, "N_BUCKETS", 3)
             split = pdm.open_log(roots[0])
             batch: list[ev.Event] = []
             for i, (e, cut, mat) in enumerate(events):
@@ -306,8 +339,8 @@ def test_any_split_and_materialize_points_give_the_bytes_of_one_cold_refold(ops)
             pdm.materialize(split)
             whole = pdm.open_log(roots[1])
             commit(whole, *[e for e, _c, _m in events])
-            pdm.materialize(whole)
-            assert entries(split) == entries(whole)
+            pdm.materialize(whole, passes=3)
+            assert entries(split) == entries(whole) == cold_entries(whole, whole.head, 1)
             assert pdm.check(split).ok
     finally:
         for r in roots:
@@ -324,9 +357,9 @@ def test_on_memory_storage(small_chunks) -> None:
         assert pdm.check(root).ok
         assert entries(log) == cold_entries(log, log.head)
         assert all_episodes(log, "state") == all_episodes(log, "log")
-        assert pq.ParquetFile(log.storage.fs.open(
-            log.storage.full(_state.read_pointer(log).tables["attempts"][0].path))
-        ).metadata.num_rows == 12  # two runs of 6 attempts
+        assert sum(pq.ParquetFile(log.storage.fs.open(log.storage.full(f.path))
+                       ).metadata.num_rows
+                   for f in _state.read_pointer(log).tables["attempts"]) == 18  # 3 runs x 6
     finally:
         log.storage.delete_tree("")
 

@@ -74,7 +74,7 @@ def log(tmp_path: Path) -> pdm.EventLog:
 
 def test_harness_from_state_then_cold_refold_gives_the_same_bytes(log: pdm.EventLog) -> None:
     harness(log)
-    assert pdm.materialize(log) == log.head
+    assert pdm.materialize(log).lsn == log.head
     counting = CountingBlobs(log.blobs)
     log.blobs = counting
     from_state = pdm.episode(log, "h-1", source="state")
@@ -208,7 +208,7 @@ def test_unknown_run_and_bad_lsn(log: pdm.EventLog) -> None:
 def test_state_serves_only_its_own_lsn_and_auto_tops_up(log: pdm.EventLog) -> None:
     harness(log, "h-1")
     harness(log, "h-2")
-    covered = pdm.materialize(log)
+    covered = pdm.materialize(log).lsn
     attempt(log, "h-1", 1, "test", 2, 2, "failed")  # touches h-1 only
     assert log.head > covered
     with pytest.raises(pdm.NotFound, match="covers lsn"):
@@ -237,7 +237,7 @@ def test_a_state_of_another_fold_version_is_never_served(log: pdm.EventLog) -> N
     with pytest.raises(pdm.NotFound, match="fold version"):
         pdm.episode(log, "h-1", source="state")
     assert pdm.episode(log, "h-1") == pdm.episode(log, "h-1", source="log")
-    assert pdm.materialize(log) == log.head  # rebuilt, not served
+    assert pdm.materialize(log).lsn == log.head  # rebuilt, not served
     assert _state.read_pointer(log).fold_version == _fold.FOLD_VERSION
     assert pdm.episode(log, "h-1", source="state") == pdm.episode(log, "h-1", source="log")
 

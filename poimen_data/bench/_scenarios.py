@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from poimen_data.bench import _scale_fold
 from poimen_data.bench._core import (
     Ctx,
     Goal,
@@ -543,10 +544,10 @@ def incremental(ctx: Ctx) -> Result:
     head = _open(st.root, create=False).head
 
     def ours() -> None:
-        assert materialize(_open(st.root, create=False)) == head
+        assert materialize(_open(st.root, create=False)).lsn == head
 
     def ref() -> None:
-        assert materialize(_open(st.root, create=False), full=True) == head
+        assert materialize(_open(st.root, create=False), full=True).lsn == head
 
     restore = lambda: _restore(st)  # noqa: E731
     t = interleave({"ours": ours, "ref": ref}, ctx.sizes.reps,
@@ -576,8 +577,9 @@ def point_query(ctx: Ctx) -> Result:
     rng = random.Random(8)
     ids = index.column("run_id").to_pylist()
     picks = [ids[rng.randrange(len(ids))] for _ in range(ctx.sizes.lookups)]
-    chunk_of = dict(zip(ids, index.column("chunk").to_pylist(), strict=True))
-    files = {t: {f.chunk: full(f.path) for f in ptr.tables[t]}
+    chunk_of = dict(zip(ids, zip(index.column("bucket").to_pylist(),
+                                 index.column("chunk").to_pylist(), strict=True), strict=True))
+    files = {t: {f.key: full(f.path) for f in ptr.tables[t]}
              for t in ("runs", "branches", "attempts")}
     index_files = [full(f.path) for f in ptr.tables["run_index"]]
     cur: dict[str, Any] = {"i": -1}
@@ -814,4 +816,5 @@ SCENARIOS: list[Scenario] = [
     Scenario("grading", "grading", GOALS["grading"], grading),
     Scenario("export", "export", GOALS["export"], export),
     Scenario("s3_commit", "S3 commit", GOALS["s3_commit"], s3_commit),
+    Scenario("scale_fold", "scale: materialize", _scale_fold.GOAL, _scale_fold.scale_fold),
 ]

@@ -6,9 +6,10 @@ Imports ``model``, ``storage`` and ``log``; ``jobs`` and the face build on it.
 
 from __future__ import annotations
 
+from poimen_data.fold._check import CheckReport, check
 from poimen_data.fold._fold import FOLD_VERSION, VIEW_SQL, VIEWS, connect, view_sql
 from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, episode
-from poimen_data.fold._state import materialize
+from poimen_data.fold._state import MaterializeReport, materialize
 
 __all__ = [
     "FOLD_VERSION",
@@ -16,7 +17,10 @@ __all__ = [
     "VIEW_SQL",
     "AttemptView",
     "BranchView",
+    "CheckReport",
     "EpisodeView",
+    "MaterializeReport",
+    "check",
     "connect",
     "episode",
     "materialize",

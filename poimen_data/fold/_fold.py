@@ -295,19 +295,23 @@ def new_connection(events: pa.Table, *, progress: bool = False) -> duckdb.DuckDB
 
 
 def create_fold_tables(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = VIEWS, *,
-                       ordered: bool = True) -> None:
+                       ordered: bool = True, temp: bool = False) -> None:
     """Run the fold texts into tables registered in ``con`` (whose ``events`` is set).
 
     Each text runs once and later texts read its table, so ``attempts`` is folded once
     even though ``runs`` and ``trajectories`` build on it. ``ordered=False`` skips the
     views' ORDER BY, for callers that sort the rows their own way anyway.
+    ``temp=True`` keeps each table in DuckDB (a TEMP TABLE, which DuckDB spills under its
+    ``memory_limit``) instead of a Python-held Arrow table.
     """
     needed = set(names)
     if needed & {"runs", "trajectories"}:
         needed |= {"attempts", "branches"}
     texts = VIEW_SQL if ordered else _BODIES
     for name, sql in texts.items():
-        if name in needed:  # an Arrow result registered back is cheaper than a TEMP TABLE
+        if name in needed and temp:
+            con.execute(f"CREATE TEMP TABLE {name} AS {sql}")
+        elif name in needed:  # an Arrow result registered back is cheaper than a TEMP TABLE
             con.register(name, con.sql(sql).to_arrow_table())
 
 

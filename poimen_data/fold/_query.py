@@ -9,7 +9,6 @@ what ``check()`` does for every episode (and for every state file, by sha256).
 
 from __future__ import annotations
 
-import hashlib
 import html
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -19,11 +18,9 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from poimen_data.errors import CorruptionError, NotFound, ValidationError
-from poimen_data.fold import _state
-from poimen_data.fold._fold import FOLD_VERSION, fold_tables, run_events
+from poimen_data.errors import CorruptionError, NotFound, StateChanged, ValidationError
+from poimen_data.fold._fold import fold_tables, run_events
 from poimen_data.fold._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import (
@@ -340,12 +337,13 @@ def fold_episode(log: EventLog, run_id: str, *, at_lsn: int, all_branches: bool,
 # --- serving from the materialized state -------------------------------------------
 
 
-def _locate(log: EventLog, ptr: Pointer, run_id: str) -> tuple[int, int] | None:
-    """(chunk, first_lsn) of a run in the state, found through the run index."""
+def _locate(log: EventLog, ptr: Pointer, run_id: str) -> tuple[tuple[int, int], int] | None:
+    """((bucket, chunk), first_lsn) of a run in the state, found through the run index."""
     for f in ptr.tables.get(INDEX, ()):
-        rows = read_run(log, f, run_id)
+        rows = read_run(log, f, run_id, ptr)
         if rows.num_rows:
-            return rows.column("chunk")[0].as_py(), rows.column("first_lsn")[0].as_py()
+            return ((rows.column("bucket")[0].as_py(), rows.column("chunk")[0].as_py()),
+                    rows.column("first_lsn")[0].as_py())
     return None
 
 
@@ -356,19 +354,25 @@ def _serve(log: EventLog, ptr: Pointer, run_id: str, *, at_lsn: int,
         raise NotFound(f"no run {run_id!r} in the log at lsn {at_lsn}")
     tables = {}
     for t in EPISODE_TABLES:
-        f = next((f for f in ptr.tables[t] if f.chunk == where[0]), None)
-        tables[t] = read_run(log, f, run_id) if f else table_schemas()[t].empty_table()
+        f = next((f for f in ptr.tables[t] if f.key == where[0]), None)
+        tables[t] = read_run(log, f, run_id, ptr) if f else table_schemas()[t].empty_table()
     return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
 
 
 def episode_from_state(log: EventLog, run_id: str, *, at_lsn: int,
                        all_branches: bool) -> EpisodeView:
-    ptr = usable_pointer(log)
-    if ptr is None:
-        raise NotFound(f"no materialized state of this fold version in {log.root}")
-    if ptr.lsn != at_lsn:
-        raise NotFound(f"the materialized state covers lsn {ptr.lsn}, not {at_lsn}")
-    return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
+    for attempt in range(3):  # a state replaced while read: read the new pointer
+        ptr = usable_pointer(log)
+        if ptr is None:
+            raise NotFound(f"no materialized state of this fold version in {log.root}")
+        if ptr.lsn != at_lsn:
+            raise NotFound(f"the materialized state covers lsn {ptr.lsn}, not {at_lsn}")
+        try:
+            return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
+        except StateChanged:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,
@@ -386,7 +390,7 @@ def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,
                 return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches,
                                     min_lsn=lo)
         return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
-    except CorruptionError:
+    except (CorruptionError, StateChanged):  # damaged, or replaced while read: the log
         return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
 
 
@@ -428,93 +432,4 @@ def episode(
     return episode_auto(log, run_id, at_lsn=lsn, all_branches=all_branches)
 
 
-# --- check ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CheckReport:
-    """What ``check`` found: ``ok`` when every file and every episode of the state equals
-    a cold re-fold of the log at the state's LSN."""
-
-    ok: bool
-    lsn: int | None
-    files: int
-    episodes: int
-    first_difference: str | None
-
-    def __str__(self) -> str:
-        if self.ok:
-            return (f"state at lsn {self.lsn} equals a cold re-fold: {self.files} files, "
-                    f"{self.episodes} episodes")
-        return f"state differs from a cold re-fold: {self.first_difference}"
-
-
-def _first_row_difference(a: pa.Table, b: pa.Table) -> str:
-    for i, (x, y) in enumerate(zip(a.to_pylist(), b.to_pylist(), strict=False)):
-        if x != y:
-            cols = [k for k in x if x[k] != y.get(k)]
-            return f"row {i} differs in {cols}: state {x} != re-fold {y}"
-    return f"state has {a.num_rows} rows, re-fold {b.num_rows}"
-
-
-def _episode_digests(tables_by_chunk: dict[int, dict[str, pa.Table]],
-                     lsn: int) -> dict[str, str]:
-    out = {}
-    empty = {t: table_schemas()[t].empty_table() for t in ("runs", "branches", "attempts")}
-    for tables in tables_by_chunk.values():
-        for view in episodes_from_tables({**empty, **tables}, at_lsn=lsn):
-            out[view.run_id] = hashlib.sha256(view.serialize()).hexdigest()
-    return out
-
-
-def check(log: LogLike, *, storage_options: dict[str, Any] | None = None,
-          episodes: bool = True) -> CheckReport:
-    """Re-fold the log at the state's LSN, cold, and compare every file (by sha256, then
-    row by row to name the first difference) and every episode (by digest)."""
-    log = as_log(log, storage_options=storage_options)
-    try:
-        ptr = _state.read_pointer(log)
-    except CorruptionError as exc:
-        return CheckReport(False, None, 0, 0, str(exc))
-    if ptr is None:
-        return CheckReport(False, None, 0, 0, f"no materialized state in {log.root}")
-    if not ptr.usable:
-        return CheckReport(False, ptr.lsn, 0, 0, f"state made by fold {ptr.fold_version} "
-                           f"with other settings or fold (this is fold {FOLD_VERSION})")
-    cold = _state._build_full(log, ptr.lsn)
-    n = 0
-    mine: dict[int, dict[str, pa.Table]] = {}
-    theirs: dict[int, dict[str, pa.Table]] = {}
-    for t in _state.STATE_TABLES:
-        want = {f.chunk: f for f in ptr.tables.get(t, ())}
-        got = cold.tables.get(t, {})
-        for c in sorted(set(want) | set(got)):
-            if c not in got or c not in want:
-                where = "state" if c in want else "re-fold"
-                return CheckReport(False, ptr.lsn, n, 0,
-                                   f"table {t} chunk {c}: only the {where} has it")
-            try:
-                a = _state.read_file(log, want[c])
-            except CorruptionError as exc:
-                return CheckReport(False, ptr.lsn, n, 0, str(exc))
-            b = pq.read_table(pa.py_buffer(cold.data[got[c].path]))
-            n += 1
-            if want[c].sha256 != got[c].sha256:
-                return CheckReport(False, ptr.lsn, n, 0, f"table {t} chunk {c} "
-                                   f"({want[c].path}): {_first_row_difference(a, b)}")
-            if t in ("runs", "branches", "attempts"):
-                mine.setdefault(c, {})[t] = a
-                theirs.setdefault(c, {})[t] = b
-    n_episodes = 0
-    if episodes:
-        a_dig, b_dig = _episode_digests(mine, ptr.lsn), _episode_digests(theirs, ptr.lsn)
-        for run_id in sorted(set(a_dig) | set(b_dig)):
-            if a_dig.get(run_id) != b_dig.get(run_id):
-                return CheckReport(False, ptr.lsn, n, n_episodes,
-                                   f"episode {run_id!r}: state and re-fold serialize "
-                                   "differently")
-            n_episodes += 1
-    return CheckReport(True, ptr.lsn, n, n_episodes, None)
-
-__all__ = ["AttemptView", "BranchView", "CheckReport", "EpisodeView", "check", "episode",
-           "episodes_from_tables"]
+__all__ = ["AttemptView", "BranchView", "EpisodeView", "episode", "episodes_from_tables"]

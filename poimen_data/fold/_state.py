@@ -1,97 +1,75 @@
-"""Materialized state: the fold's tables as canonical parquet, plus one pointer file.
+"""Materialized state: the fold's tables as canonical parquet, published by one pointer.
 
-Runs are numbered in start order (by their first LSN) and cut into chunks of
-``RUNS_PER_CHUNK``; each per-run table has one file per chunk, sorted by ``TABLE_KEYS``.
-A new run always lands in the last chunk, so an incremental materialize rewrites only
-the chunks that new commits touched, and a chunk's bytes depend only on the fold at that
-LSN: incremental and cold builds give the same files (names carry their sha256).
-``state/run_index`` (sorted by run_id, small row groups) finds a run's chunk without
-scanning the others. ``state/_current.json`` lists every file with its sha256 and is
-replaced atomically, so a reader sees the old state or the new one, never a mix.
+Each per-run table has one file per (bucket, chunk): runs go to ``N_BUCKETS`` buckets by
+md5 of run_id and, within a bucket, to chunks of ``RUNS_PER_CHUNK`` in start order (first
+LSN), so a new run lands in its bucket's last chunk and a file's bytes depend only on
+its runs: partitioned, single-pass and incremental builds give the same files. Only the
+current generation lives under ``state/<table>/`` (a plain glob reads the state; empty
+tables hold one zero-row file). A new generation is written under ``state/_pending/``,
+published by creating ``state/_gen/<gen>.json`` put-if-absent (so of two materializers
+one wins), then moved into place; the files it replaced move to ``state/_prev/`` for
+readers of the older pointer and are deleted one generation later.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import io
-import os
+import time
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import duckdb
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from poimen_data.errors import CorruptionError
-from poimen_data.fold._fold import (
-    FOLD_VERSION,
-    PER_RUN_TABLES,
-    TABLE_KEYS,
-    VIEWS,
-    create_fold_tables,
-    fold_tables,
-    new_connection,
-    run_events,
+from poimen_data.errors import CorruptionError, PoimenError, StateChanged, ValidationError
+from poimen_data.fold import _build as B
+from poimen_data.fold._build import (
+    INDEX,
+    STATE_TABLES,
+    Budget,
+    FileEntry,
+    Writer,
+    current_settings,
+    parquet_bytes,
+    table_schemas,
 )
+from poimen_data.fold._fold import FOLD_VERSION, PER_RUN_TABLES, create_fold_tables
 from poimen_data.log._faults import crash_point
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import FORMAT_NAME, FORMAT_VERSION, dumps, loads
-from poimen_data.model import _events as ev
 
 POINTER = "state/_current.json"
-INDEX = "run_index"
-RUNS_PER_CHUNK = 2048
-REDUCTIONS_PER_CHUNK = 65536
-ROW_GROUP_SIZE = 2048
-WRITE_THREADS = min(8, os.cpu_count() or 1)
-PARQUET_OPTIONS: dict[str, Any] = {
-    "version": "2.6",
-    "data_page_version": "1.0",
-    "compression": "zstd",
-    "compression_level": 3,
-    "use_dictionary": True,
-    "write_statistics": True,
-    "write_page_checksum": True,
-    "data_page_size": 1 << 20,
-}
+GEN_DIR = "state/_gen"
+PENDING_DIR = "state/_pending"
+PREV_DIR = "state/_prev"
+MAX_PUBLISH_TRIES = 8
+PASS_FACTOR = 8
 
 
-def current_settings() -> dict[str, Any]:
-    """Everything besides the data that decides the bytes of a state; a state made under
-    other settings is rebuilt, never served. Read at call time (tests shrink chunks)."""
-    return {
-        "runs_per_chunk": RUNS_PER_CHUNK,
-        "reductions_per_chunk": REDUCTIONS_PER_CHUNK,
-        "row_group_size": ROW_GROUP_SIZE,
-        "parquet": PARQUET_OPTIONS,
-        "pyarrow": pa.__version__,
-        "duckdb": duckdb.__version__,
-    }
+def gen_path(gen: int) -> str:
+    return f"{GEN_DIR}/{gen:020d}.json"
 
 
-STATE_TABLES = (*VIEWS, INDEX)
+def pending_path(token: str, path: str) -> str:
+    return f"{PENDING_DIR}/{token}/{path.removeprefix('state/')}"
 
 
-@dataclass(frozen=True, slots=True)
-class FileEntry:
-    chunk: int
-    path: str
-    rows: int
-    size: int
-    sha256: str
-
-    def to_json(self) -> list[Any]:
-        return [self.chunk, self.path, self.rows, self.size, self.sha256]
+def prev_path(path: str) -> str:
+    return f"{PREV_DIR}/{path.removeprefix('state/')}"
 
 
 @dataclass(frozen=True)
 class Pointer:
-    """What ``state/_current.json`` says: the LSN covered and every file of the state."""
+    """One generation of the state: the LSN covered and every file of it.
+
+    ``FileEntry.path`` is where the file lives while this generation is current
+    (``state/<table>/...``, relative to the root); ``locations(f)`` lists where else a
+    reader may find it (still pending, or moved aside by the next generation)."""
 
     lsn: int
     seq: int
@@ -99,6 +77,8 @@ class Pointer:
     settings: dict[str, Any]
     tables: dict[str, tuple[FileEntry, ...]]
     prev_files: tuple[str, ...] = ()
+    gen: int = 0
+    token: str = ""
 
     @property
     def usable(self) -> bool:
@@ -107,30 +87,46 @@ class Pointer:
     def files(self) -> set[str]:
         return {f.path for entries in self.tables.values() for f in entries}
 
+    def locations(self, f: FileEntry) -> tuple[str, ...]:
+        pending = (pending_path(self.token, f.path),) if self.token else ()
+        return (f.path, *pending, prev_path(f.path))
+
     def to_doc(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": "state",
                 "lsn": self.lsn, "seq": self.seq, "fold_version": self.fold_version,
                 "settings": self.settings, "prev_files": sorted(self.prev_files),
+                "gen": self.gen, "token": self.token,
                 "tables": {t: [f.to_json() for f in e] for t, e in sorted(self.tables.items())}}
 
     @classmethod
     def from_doc(cls, d: Mapping[str, Any]) -> Pointer:
         return cls(d["lsn"], d["seq"], d["fold_version"], d["settings"],
                    {t: tuple(FileEntry(*f) for f in e) for t, e in d["tables"].items()},
-                   tuple(d.get("prev_files", ())))
+                   tuple(d.get("prev_files", ())), int(d.get("gen", 0)),
+                   str(d.get("token", "")))
 
 
-def read_pointer(log: EventLog) -> Pointer | None:
-    """The current state pointer, or None when there is none (``CorruptionError`` when
-    it is damaged)."""
-    data = log.storage.read_or_none(POINTER)
-    if data is None:
-        return None
-    doc = loads(data, log.storage.url_of(POINTER))
+def _parse(log: EventLog, data: bytes, rel: str) -> Pointer:
+    doc = loads(data, log.storage.url_of(rel))
     try:
         return Pointer.from_doc(doc)
     except (KeyError, TypeError, ValueError):
-        raise CorruptionError(f"{log.storage.url_of(POINTER)}: not a state pointer") from None
+        raise CorruptionError(f"{log.storage.url_of(rel)}: not a state pointer") from None
+
+
+def read_pointer(log: EventLog) -> Pointer | None:
+    """The newest state generation, or None when there is none (``CorruptionError`` when
+    it is damaged). ``state/_current.json`` is a hint that may lag a generation whose
+    publisher died before rewriting it: the generations after it are probed."""
+    data = log.storage.read_or_none(POINTER)
+    ptr = None if data is None else _parse(log, data, POINTER)
+    gen = ptr.gen if ptr is not None else 0
+    while True:
+        nxt = log.storage.read_or_none(gen_path(gen + 1))
+        if nxt is None:
+            return ptr
+        ptr = _parse(log, nxt, gen_path(gen + 1))
+        gen += 1
 
 
 def usable_pointer(log: EventLog) -> Pointer | None:
@@ -141,127 +137,66 @@ def usable_pointer(log: EventLog) -> Pointer | None:
     return ptr if ptr is not None and ptr.usable else None
 
 
-# --- canonical files ----------------------------------------------------------------
+# --- reading files ---------------------------------------------------------------------
 
 
-@functools.cache
-def table_schemas() -> dict[str, pa.Schema]:
-    """The schema of every state table, as the fold of no events gives it."""
-    out = {k: v.schema for k, v in fold_tables(ev.LOG_SCHEMA.empty_table()).items()}
-    out[INDEX] = pa.schema([("run_id", pa.string()), ("chunk", pa.int64()),
-                            ("first_lsn", pa.int64())])
-    return out
+def _missing(log: EventLog, f: FileEntry) -> PoimenError:
+    """A named file is nowhere: ``StateChanged`` when a newer generation no longer lists
+    it (the reader's pointer is two generations old: re-read it and retry), else the file
+    is truly lost."""
+    try:
+        now = read_pointer(log)
+    except CorruptionError:
+        now = None
+    if now is not None and f.path not in now.files():
+        return StateChanged(f"{log.storage.url_of(f.path)}: the state moved on while it "
+                            "was read; read the pointer again")
+    return CorruptionError(f"{log.storage.url_of(f.path)}: listed by the state pointer "
+                           "but missing")
 
 
-def parquet_bytes(table: pa.Table) -> bytes:
-    """The canonical parquet bytes of a sorted table (settings pinned in ``current_settings()``)."""
-    sink = io.BytesIO()
-    pq.write_table(table.combine_chunks(), sink, row_group_size=ROW_GROUP_SIZE,
-                   **PARQUET_OPTIONS)
-    return sink.getvalue()
+def read_bytes(log: EventLog, f: FileEntry, ptr: Pointer | None = None) -> bytes:
+    """A state file's bytes from wherever it is, checked against its sha256."""
+    places = ptr.locations(f) if ptr is not None else (f.path, prev_path(f.path))
+    for rel in places:
+        data = log.storage.read_or_none(rel)
+        if data is None:
+            continue
+        if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
+            raise CorruptionError(f"{log.storage.url_of(rel)}: size or sha256 differs "
+                                  "from the state pointer")
+        return data
+    raise _missing(log, f)
 
 
-def _entry(table: str, chunk: int, t: pa.Table, out: dict[str, bytes]) -> FileEntry:
-    data = parquet_bytes(t.cast(table_schemas()[table]))
-    sha = hashlib.sha256(data).hexdigest()
-    path = f"state/{table}/{chunk:06d}-{sha[:16]}.parquet"
-    out[path] = data
-    return FileEntry(chunk, path, t.num_rows, len(data), sha)
-
-
-def _split(table: str, sorted_: pa.Table, out: dict[str, bytes]) -> dict[int, FileEntry]:
-    """Cut a table sorted by ``_chunk`` into one file per chunk."""
-    if sorted_.num_rows == 0:
-        return {}
-    chunks = sorted_.column("_chunk").to_numpy()
-    body = sorted_.drop_columns(["_chunk"])
-    starts = np.flatnonzero(np.diff(chunks)) + 1
-    bounds = [0, *starts.tolist(), len(chunks)]
-
-    def one(lo: int, hi: int) -> FileEntry:
-        return _entry(table, int(chunks[lo]), body.slice(lo, hi - lo), out)
-
-    # Each file's bytes depend on its rows only, so encoding them on threads (pyarrow
-    # releases the GIL) cannot change a byte.
-    with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
-        entries = list(pool.map(one, bounds[:-1], bounds[1:]))
-    return {f.chunk: f for f in entries}
-
-
-def read_file(log: EventLog, f: FileEntry) -> pa.Table:
+def read_file(log: EventLog, f: FileEntry, ptr: Pointer | None = None) -> pa.Table:
     """A whole state file, checked against the sha256 the pointer lists."""
-    data = log.storage.read_or_none(f.path)
-    name = log.storage.url_of(f.path)
-    if data is None:
-        raise CorruptionError(f"{name}: listed by the state pointer but missing")
-    if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
-        raise CorruptionError(f"{name}: size or sha256 differs from the state pointer")
-    return pq.read_table(pa.py_buffer(data))
+    return pq.read_table(pa.py_buffer(read_bytes(log, f, ptr)))
 
 
-def read_run(log: EventLog, f: FileEntry, run_id: str) -> pa.Table:
+def read_run(log: EventLog, f: FileEntry, run_id: str, ptr: Pointer | None = None) -> pa.Table:
     """The rows of one run from a file sorted by run_id: only the row groups whose
     statistics can hold it are read, and their pages are checked by CRC."""
     st = log.storage
-    try:
-        with (open(st.full(f.path), "rb") if st.kind == "local"
-              else st.fs.open(st.full(f.path), "rb")) as src, \
-                pq.ParquetFile(src, page_checksum_verification=True) as pf:
-            col = pf.schema_arrow.get_field_index("run_id")
-            groups = []
-            for i in range(pf.metadata.num_row_groups):
-                s = pf.metadata.row_group(i).column(col).statistics
-                if s is None or not s.has_min_max or s.min <= run_id <= s.max:
-                    groups.append(i)
-            t = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
-    except FileNotFoundError:
-        raise CorruptionError(f"{st.url_of(f.path)}: listed by the state pointer but "
-                              "missing") from None
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise CorruptionError(f"{st.url_of(f.path)}: unreadable ({exc})") from None
-    return t.filter(pc.equal(t.column("run_id"), run_id))
-
-
-# --- building -----------------------------------------------------------------------
-
-
-@dataclass
-class _Build:
-    tables: dict[str, dict[int, FileEntry]] = field(default_factory=dict)
-    data: dict[str, bytes] = field(default_factory=dict)
-
-
-def _order(table: str) -> str:
-    return ", ".join(["_chunk", *TABLE_KEYS[table]])
-
-
-def _chunked(con: duckdb.DuckDBPyConnection, table: str, source: str, index: str) -> pa.Table:
-    return con.sql(f"SELECT i.chunk AS _chunk, t.* FROM {source} t JOIN {index} i "
-                   f"USING (run_id) ORDER BY {_order(table)}").to_arrow_table()
-
-
-def _build_full(log: EventLog, lsn: int) -> _Build:
-    """Fold every event up to ``lsn`` and cut the tables into chunk files."""
-    b = _Build()
-    con = new_connection(log.read_events(lsn))
-    try:
-        create_fold_tables(con, ordered=False)
-        con.execute(f"""CREATE TEMP TABLE _index AS
-            SELECT run_id, (row_number() OVER (ORDER BY first_lsn) - 1) // {RUNS_PER_CHUNK}
-                   AS chunk, first_lsn
-            FROM (SELECT run_id, min(lsn) AS first_lsn FROM events
-                  WHERE run_id IS NOT NULL GROUP BY run_id)""")
-        for t in PER_RUN_TABLES:
-            b.tables[t] = _split(t, _chunked(con, t, t, "_index"), b.data)
-        red = con.sql(f"SELECT (row_number() OVER (ORDER BY lsn) - 1) // "
-                      f"{REDUCTIONS_PER_CHUNK} AS _chunk, * FROM reductions "
-                      "ORDER BY lsn").to_arrow_table()
-        b.tables["reductions"] = _split("reductions", red, b.data)
-        index = con.sql("SELECT 0::BIGINT AS _chunk, * FROM _index ORDER BY run_id")
-        b.tables[INDEX] = _split(INDEX, index.to_arrow_table(), b.data)
-    finally:
-        con.close()
-    return b
+    places = ptr.locations(f) if ptr is not None else (f.path, prev_path(f.path))
+    for rel in places:
+        try:
+            with (open(st.full(rel), "rb") if st.kind == "local"
+                  else st.fs.open(st.full(rel), "rb")) as src, \
+                    pq.ParquetFile(src, page_checksum_verification=True) as pf:
+                col = pf.schema_arrow.get_field_index("run_id")
+                groups = []
+                for i in range(pf.metadata.num_row_groups):
+                    s = pf.metadata.row_group(i).column(col).statistics
+                    if s is None or not s.has_min_max or s.min <= run_id <= s.max:
+                        groups.append(i)
+                t = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
+        except FileNotFoundError:
+            continue
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise CorruptionError(f"{st.url_of(rel)}: unreadable ({exc})") from None
+        return t.filter(pc.equal(t.column("run_id"), run_id))
+    raise _missing(log, f)
 
 
 def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
@@ -269,136 +204,398 @@ def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
         else schema.empty_table()
 
 
-def _build_incremental(log: EventLog, ptr: Pointer, lsn: int) -> _Build:
-    """Re-fold only the runs that commits after ``ptr.lsn`` touched; rewrite their chunks."""
-    b = _Build({t: {f.chunk: f for f in ptr.tables.get(t, ())} for t in STATE_TABLES})
-    new = log.read_events(lsn, ptr.lsn + 1)
-    if pc.any(pc.equal(new.column("kind"), "blob_reduced")).as_py():
-        _merge_reductions(log, b, new)
-    touched = pc.unique(new.column("run_id").drop_null())
-    if len(touched):
-        _merge_runs(log, ptr, b, touched, lsn)
+# --- the report --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaterializeReport:
+    """What ``materialize`` did. ``lsn`` is the LSN the state covers (``head`` was the
+    head when it started); ``full`` when every run was folded again; ``files_written``
+    new state files; ``buckets`` the run buckets folded (all of them for a full build)."""
+
+    lsn: int
+    head: int
+    full: bool
+    runs_folded: int
+    files_written: int
+    buckets: int
+    seconds: float
+
+    def __str__(self) -> str:
+        if not self.full and not self.runs_folded and not self.files_written:
+            return f"state covers LSN {self.lsn} (head {self.head}): already current"
+        how = "full rebuild" if self.full else "incremental"
+        return (f"state covers LSN {self.lsn} (head {self.head}): {how}, "
+                f"{self.runs_folded:,} runs folded into {self.files_written} files "
+                f"({self.buckets} buckets) in {self.seconds:.2f} s")
+
+
+# --- building ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Build:
+    tables: dict[str, dict[tuple[int, int], FileEntry]]
+    runs_folded: int = 0
+    buckets: int = 0
+    full: bool = False
+
+
+def plan_groups(log: EventLog, lsn: int, budget: Budget,
+                passes: int | None) -> list[tuple[int, ...]]:
+    """Buckets per pass: as many passes as it takes for a pass's events (their Arrow size,
+    about their segments' size) to take at most 1/``PASS_FACTOR`` of the budget (the
+    fold's hash tables of nested values need several times the events they read)."""
+    if passes is None:
+        size = sum(s.size for s in log.segments(lsn))
+        passes = -(-size * PASS_FACTOR // max(1, budget.memory_limit))
+    n = max(1, min(B.N_BUCKETS, passes))
+    return [tuple(range(g, B.N_BUCKETS, n)) for g in range(n)]
+
+
+def _finish(b: _Build, sink: B.Sink) -> None:
+    """Every table present: one zero-row file when a table has no rows."""
+    for t in STATE_TABLES:
+        have = b.tables.setdefault(t, {})
+        for k in [k for k, f in have.items() if f.rows == 0 and len(have) > 1]:
+            del have[k]
+        if not have:
+            entry, data = B.encode(t, 0, 0, table_schemas()[t].empty_table())
+            sink(t, entry, data)
+            have[entry.key] = entry
+
+
+def build_full(log: EventLog, lsn: int, w: Writer, budget: Budget,
+               groups: list[tuple[int, ...]], executor: Any = None,
+               remote: Any = None) -> _Build:
+    """Fold every run at ``lsn``, one group of buckets at a time (on Dask workers when
+    ``executor`` is given: ``remote(buckets, with_reductions)`` runs there)."""
+    b = _Build({}, full=True, buckets=B.N_BUCKETS)
+    if executor is None:
+        index = B.full_passes(log, lsn, groups, w, budget)
+    else:
+        futures = [executor.submit(remote, g, i == 0, pure=False)
+                   for i, g in enumerate(groups)]
+        index = []
+        for fut in futures:
+            entries, idx = fut.result()
+            for t, es in entries.items():
+                w.entries.setdefault(t, {}).update({e.key: e for e in es})
+            index.append(idx)
+    whole = _concat(index, table_schemas()[INDEX])
+    B.index_file(w, whole)
+    w.drain()
+    b.tables = {t: dict(w.entries.get(t, {})) for t in STATE_TABLES}
+    b.runs_folded = whole.num_rows
     return b
 
 
-def _merge_runs(log: EventLog, ptr: Pointer, b: _Build, touched: pa.Array, lsn: int) -> None:
-    """Fold the touched runs' whole histories (from the first LSN of the earliest one) and
-    merge them into their chunks; new runs go to the end, in start order."""
-    old_index = _concat([read_file(log, f) for f in ptr.tables.get(INDEX, ())],
+def build_incremental(log: EventLog, ptr: Pointer, lsn: int, w: Writer,
+                      budget: Budget) -> _Build:
+    """Fold again only the runs that commits after ``ptr.lsn`` touched (their whole
+    history, read from the first LSN of the earliest of them, filtered to those runs) and
+    rewrite only their (bucket, chunk) files; new runs go to the end of their bucket."""
+    b = _Build({t: {f.key: f for f in ptr.tables.get(t, ())} for t in STATE_TABLES})
+    with B.connection(budget) as con:
+        con.register("_scan", log.scan_events(lsn, ptr.lsn + 1))
+        con.execute("CREATE TEMP TABLE _new AS SELECT * FROM _scan")
+        con.unregister("_scan")
+        n_red = con.execute("SELECT count(*) FROM _new WHERE kind = 'blob_reduced'"
+                            ).fetchall()[0][0]
+        if n_red:
+            _merge_reductions(log, ptr, b, con, w)
+        touched = con.sql("SELECT DISTINCT run_id FROM _new WHERE run_id IS NOT NULL"
+                          ).to_arrow_table()
+        if touched.num_rows:
+            _merge_runs(log, ptr, b, con, w, touched, lsn)
+        w.drain()
+    for t, es in w.entries.items():
+        b.tables.setdefault(t, {}).update(es)
+    return b
+
+
+def _merge_runs(log: EventLog, ptr: Pointer, b: _Build, con: Any, w: Writer,
+                touched: pa.Table, lsn: int) -> None:
+    old_index = _concat([read_file(log, f, ptr) for f in ptr.tables.get(INDEX, ())],
                         table_schemas()[INDEX])
-    is_touched = pc.is_in(old_index.column("run_id"), touched)
-    old_touched = old_index.filter(is_touched)
-    lo = min([ptr.lsn + 1, *old_touched.column("first_lsn").to_pylist()])
-    con = new_connection(run_events(log, touched.to_pylist(), at_lsn=lsn, min_lsn=lo))
-    try:
-        create_fold_tables(con, PER_RUN_TABLES, ordered=False)
-        con.register("_old_index", old_index)
-        con.execute(f"""CREATE TEMP TABLE _new_runs AS
-            SELECT run_id, {old_index.num_rows} + row_number() OVER (ORDER BY first_lsn) - 1
-                   AS ord, first_lsn
-            FROM (SELECT run_id, min(lsn) AS first_lsn FROM events GROUP BY run_id)
-            WHERE run_id NOT IN (SELECT run_id FROM _old_index)""")
-        con.execute(f"""CREATE TEMP TABLE _new_index AS
-            SELECT run_id, ord // {RUNS_PER_CHUNK} AS chunk, first_lsn FROM _new_runs""")
-        chunks = sorted(set(old_touched.column("chunk").to_pylist())
-                        | {r[0] for r in con.execute(
-                            "SELECT DISTINCT chunk FROM _new_index").fetchall()})
-        con.register("_chunks", pa.table({"chunk": pa.array(chunks, pa.int64())}))
-        con.execute("""CREATE TEMP TABLE _index AS
-            SELECT * FROM _old_index WHERE chunk IN (SELECT chunk FROM _chunks)
-            UNION ALL SELECT * FROM _new_index""")
-        for t in PER_RUN_TABLES:
-            schema = table_schemas()[t]
-            olds = [read_file(log, b.tables[t][c]) for c in chunks if c in b.tables[t]]
-            old = _concat(olds, schema)
-            con.register("_old", old.filter(pc.invert(pc.is_in(old.column("run_id"),
-                                                                touched))))
-            merged = _chunked(con, t, f"(SELECT * FROM _old UNION ALL SELECT * FROM {t})",
-                              "_index")
-            for c in chunks:
-                b.tables[t].pop(c, None)
-            b.tables[t].update(_split(t, merged, b.data))
-        if con.execute("SELECT count(*) FROM _new_index").fetchall()[0][0]:
-            index = con.sql("SELECT 0::BIGINT AS _chunk, * FROM (SELECT * FROM _old_index "
-                            "UNION ALL SELECT * FROM _new_index) ORDER BY run_id")
-            b.tables[INDEX] = _split(INDEX, index.to_arrow_table(), b.data)
-    finally:
-        con.close()
+    old_index = old_index.filter(pc.greater(old_index.column("bucket"), -1))
+    con.register("_old_index", old_index)
+    con.register("_touched", touched)
+    lo = con.execute("SELECT min(first_lsn) FROM _old_index WHERE run_id IN "
+                     "(SELECT run_id FROM _touched)").fetchall()[0][0]
+    if lo is None or lo > ptr.lsn:
+        con.execute("CREATE TEMP TABLE events AS SELECT * FROM _new WHERE run_id IS NOT NULL")
+    else:
+        con.register("_scan", log.scan_events(lsn, lo))
+        con.execute("CREATE TEMP TABLE events AS SELECT * FROM _scan "
+                    "WHERE run_id IN (SELECT run_id FROM _touched)")
+        con.unregister("_scan")
+    con.execute(f"""CREATE TEMP TABLE _new_index AS
+        SELECT n.run_id, n.bucket,
+               (coalesce(c.n, 0) + row_number() OVER (PARTITION BY n.bucket
+                ORDER BY n.first_lsn) - 1) // {B.RUNS_PER_CHUNK} AS chunk, n.first_lsn
+        FROM (SELECT run_id, {B.bucket_sql()} AS bucket, min(lsn) AS first_lsn FROM events
+              WHERE run_id NOT IN (SELECT run_id FROM _old_index) GROUP BY run_id) n
+        LEFT JOIN (SELECT bucket, count(*) AS n FROM _old_index GROUP BY bucket) c
+        USING (bucket)""")
+    con.execute("""CREATE TEMP TABLE _keys AS
+        SELECT DISTINCT bucket, chunk FROM _old_index WHERE run_id IN
+            (SELECT run_id FROM _touched)
+        UNION SELECT DISTINCT bucket, chunk FROM _new_index""")
+    keys = {(int(x), int(y)) for x, y in con.execute("SELECT * FROM _keys").fetchall()}
+    con.execute("""CREATE TEMP TABLE _index AS
+        SELECT * FROM _old_index WHERE (bucket, chunk) IN (SELECT (bucket, chunk) FROM _keys)
+        UNION ALL SELECT * FROM _new_index""")
+    create_fold_tables(con, PER_RUN_TABLES, ordered=False, temp=True)
+    b.runs_folded = touched.num_rows
+    b.buckets = len({k[0] for k in keys})
+    for t in PER_RUN_TABLES:
+        schema = table_schemas()[t]
+        olds = [read_file(log, b.tables[t][k], ptr) for k in sorted(keys) if k in b.tables[t]]
+        old = _concat(olds, schema)
+        old = old.filter(pc.invert(pc.is_in(old.column("run_id"), touched.column(0))))
+        con.register(f"_old_{t}", old)
+        for k in keys:
+            b.tables[t].pop(k, None)
+        B.write_per_run(con, w, t, f"(SELECT * FROM _old_{t} UNION ALL SELECT * FROM {t})")
+        con.unregister(f"_old_{t}")
+    n_new = con.execute("SELECT count(*) FROM _new_index").fetchall()[0][0]
+    if n_new:
+        new_index = con.sql("SELECT * FROM _new_index").to_arrow_table()
+        b.tables[INDEX] = {}
+        B.index_file(w, _concat([old_index, new_index], table_schemas()[INDEX]))
 
 
-def _merge_reductions(log: EventLog, b: _Build, new: pa.Table) -> None:
-    red = fold_tables(new, ("reductions",))["reductions"]
-    if red.num_rows == 0:
-        return
+def _merge_reductions(log: EventLog, ptr: Pointer, b: _Build, con: Any, w: Writer) -> None:
     have = b.tables["reductions"]
     n_old = sum(f.rows for f in have.values())
-    ords = np.arange(n_old, n_old + red.num_rows) // REDUCTIONS_PER_CHUNK
-    red = red.add_column(0, "_chunk", pa.array(ords, pa.int64()))
-    first = int(ords[0])
-    if first in have:  # the last chunk is not full yet: append to it
-        old = read_file(log, have.pop(first)).cast(table_schemas()["reductions"])
-        old = old.add_column(0, "_chunk", pa.array([first] * old.num_rows, pa.int64()))
-        red = pa.concat_tables([old, red.cast(old.schema)])
-    have.update(_split("reductions", red, b.data))
+    first = n_old // B.REDUCTIONS_PER_CHUNK
+    con.execute(f"CREATE TEMP TABLE reductions AS SELECT * FROM "
+                f"({B.reductions_sql().replace('FROM events', 'FROM _new')})")
+    old_rows = B.table_schemas()["reductions"].empty_table()
+    if (0, first) in have and have[(0, first)].rows:  # the last chunk is not full: extend it
+        old_rows = read_file(log, have[(0, first)], ptr)
+    for k in [k for k, f in have.items() if f.rows == 0 or k == (0, first)]:
+        del have[k]
+    con.register("_old_red", old_rows)
+    con.execute("CREATE OR REPLACE TEMP TABLE reductions AS SELECT * FROM _old_red "
+                "UNION ALL SELECT * FROM reductions")
+    B.write_reductions(con, w, first * B.REDUCTIONS_PER_CHUNK)
+    con.execute("DROP TABLE reductions")
 
 
-# --- publishing ---------------------------------------------------------------------
-
-
-def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None) -> Pointer:
-    """Write the new files, then replace the pointer (one atomic write), then remove the
-    files that neither the new pointer nor the one it replaces lists."""
-    have = old.files() if old is not None else set()
-    tables = {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.chunk))
-              for t in STATE_TABLES}
-    files = {f.path for e in tables.values() for f in e}
-    todo = [(p, d) for p, d in sorted(b.data.items()) if p in files and p not in have]
-    with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
-        list(pool.map(lambda pd: log.storage.write(*pd), todo))
-    crash_point("state_written")
+def cold_files(log: EventLog, lsn: int, *, passes: int | None = None,
+               memory_limit: int | str | None = None) -> dict[str, tuple[FileEntry, ...]]:
+    """The entries a cold full build at ``lsn`` gives, sorted by key (nothing written)."""
+    budget = _budget(memory_limit, None)
+    w = Writer(lambda *_a: None)
     try:
-        current = read_pointer(log)
-    except CorruptionError:
-        current = None
-    newer = current is not None and current.usable and current.lsn >= lsn
-    if newer and (old is None or current.lsn != old.lsn):
-        return current  # a concurrent materialize published this LSN or a newer one
-    # A reader may have started on ``current``: its files stay one more generation.
-    prev = current.files() if current is not None else set()
-    ptr = Pointer(lsn, log.seq_of_lsn(lsn), FOLD_VERSION, current_settings(), tables,
-                  tuple(sorted(prev)))
+        b = build_full(log, lsn, w, budget, plan_groups(log, lsn, budget, passes))
+        _finish(b, w.sink)
+    finally:
+        w.close()
+    return {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.key))
+            for t in STATE_TABLES}
+
+
+# --- publishing ---------------------------------------------------------------------------
+
+
+def _pending_sink(log: EventLog, token: str, have: set[str]) -> B.Sink:
+    def sink(table: str, f: FileEntry, data: bytes) -> None:
+        if f.path not in have:
+            log.storage.write(pending_path(token, f.path), data)
+    return sink
+
+
+def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None,
+             token: str) -> Pointer | None:
+    """Create the next generation put-if-absent; on success move its files into place and
+    the replaced ones aside. None when another materializer took that generation."""
+    gen = old.gen + 1 if old is not None else 1
+    tables = {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.key))
+              for t in STATE_TABLES}
+    have = old.files() if old is not None else set()
+    ptr = Pointer(lsn, _seq_of(log, lsn), FOLD_VERSION, current_settings(), tables,
+                  tuple(sorted(have - {f.path for e in tables.values() for f in e})),
+                  gen, token)
+    crash_point("state_written")
+    if not log.storage.put_if_absent(gen_path(gen), dumps(ptr.to_doc())):
+        log.storage.delete_tree(f"{PENDING_DIR}/{token}")
+        return None
+    files = ptr.files()
+    with ThreadPoolExecutor(max_workers=B.WRITE_THREADS) as pool:
+        list(pool.map(lambda p: log.storage.move(pending_path(token, p), p),
+                      sorted(files - have)))
+        list(pool.map(lambda p: _move_aside(log, p), sorted(ptr.prev_files)))
     log.storage.write(POINTER, dumps(ptr.to_doc()))
     crash_point("state_published")
-    for path in sorted(set(current.prev_files) - files - prev) if current else ():
-        log.storage.delete(path)
+    if old is not None:  # the generation before ``old``: no reader may start on it now
+        for p in sorted(set(old.prev_files) - files - have):
+            log.storage.delete(prev_path(p))
+        if old.gen > 0:
+            log.storage.delete(gen_path(old.gen))
+        if old.token:
+            log.storage.delete_tree(f"{PENDING_DIR}/{old.token}")
+    log.storage.delete_tree(f"{PENDING_DIR}/{token}")
     return ptr
 
 
+def files_in_use(log: EventLog) -> set[str] | None:
+    """Every file under ``state/`` that a reader of the current or the previous generation
+    may open (for vacuum), or None when the pointer cannot be read (then keep everything)."""
+    try:
+        ptr = read_pointer(log)
+    except CorruptionError:
+        return None
+    keep = {POINTER}
+    if ptr is None:
+        return keep
+    keep |= {gen_path(ptr.gen), gen_path(ptr.gen - 1)}
+    for f in (f for es in ptr.tables.values() for f in es):
+        keep |= set(ptr.locations(f))
+    keep |= {prev_path(p) for p in ptr.prev_files}
+    return keep
+
+
+def _seq_of(log: EventLog, lsn: int) -> int:
+    """The seq of the commit holding ``lsn``, streaming (never a whole segment held)."""
+    for rb in log.scan_events(lsn, lsn, batch_rows=1):
+        return int(rb.column("seq")[0].as_py())
+    return 0
+
+
+def _move_aside(log: EventLog, path: str) -> None:
+    try:
+        log.storage.move(path, prev_path(path))
+    except (FileNotFoundError, PoimenError):
+        pass  # already aside (a publisher that died half way)
+
+
+def _settle(log: EventLog, ptr: Pointer) -> None:
+    """Finish the moves of a generation whose publisher died after creating it."""
+    for p in sorted(ptr.files()):
+        src = pending_path(ptr.token, p)
+        if ptr.token and not log.storage.exists(p) and log.storage.exists(src):
+            log.storage.move(src, p)
+    for p in ptr.prev_files:
+        if log.storage.exists(p):
+            _move_aside(log, p)
+    log.storage.write(POINTER, dumps(ptr.to_doc()))
+
+
+def _budget(memory_limit: int | str | None, temp_directory: str | None) -> Budget:
+    if memory_limit is None:
+        return Budget(B.default_memory_limit(), temp_directory)
+    if isinstance(memory_limit, str):
+        units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10,
+                 "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
+        s = memory_limit.strip().upper().replace(" ", "")
+        for u, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+            if s.endswith(u) and s[:-len(u)].replace(".", "", 1).isdigit():
+                return Budget(int(float(s[:-len(u)]) * mult), temp_directory)
+        raise ValidationError(f"memory_limit {memory_limit!r}: expected e.g. '2GB'")
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 1:
+        raise ValidationError(f"memory_limit must be bytes > 0, got {memory_limit!r}")
+    return Budget(memory_limit, temp_directory)
+
+
 def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
-                full: bool = False) -> int:
-    """Bring ``state/`` up to the head and return the LSN it covers.
+                full: bool = False, memory_limit: int | str | None = None,
+                temp_directory: str | None = None, executor: Any = None,
+                passes: int | None = None) -> MaterializeReport:
+    """Bring ``state/`` up to the head.
 
     Incremental when a usable state exists: only the runs touched since are folded again
-    (their whole history: every fold rule is per run) and only their chunks rewritten.
-    ``full=True`` (or a state made by another fold version or settings) rebuilds.
+    (their whole history: every fold rule is per run) and only their files rewritten.
+    ``full=True`` (or a state made by another fold version or settings) rebuilds, in
+    passes over groups of run buckets sized to ``memory_limit`` (bytes or e.g. ``"2GB"``;
+    default a quarter of the machine, at most 2 GiB; DuckDB spills the rest to
+    ``temp_directory``). ``executor=`` a ``distributed.Client`` folds the groups on Dask
+    workers (same bytes). Of two concurrent materializers one publishes; the other
+    returns the state the winner published, or builds on top of it.
     """
     log = as_log(log, storage_options=storage_options)
-    lsn = log.head
-    old = None
+    budget = _budget(memory_limit, temp_directory)
+    t0 = time.perf_counter()
+    for _ in range(MAX_PUBLISH_TRIES):
+        lsn = log.head
+        try:
+            old = read_pointer(log)
+        except CorruptionError:
+            old = None
+        if old is not None and _hint_stale(log, old):
+            _settle(log, old)
+        usable = old if old is not None and old.usable and old.lsn <= lsn else None
+        if usable is not None and usable.lsn == lsn and not full:
+            return MaterializeReport(lsn, lsn, False, 0, 0, 0, time.perf_counter() - t0)
+        token = uuid.uuid4().hex
+        w = Writer(_pending_sink(log, token, old.files() if old is not None else set()))
+        try:
+            if usable is None or full:
+                groups = plan_groups(log, lsn, budget, passes)
+                remote = None
+                if executor is not None:
+                    remote = _remote_fold(log, lsn, budget, token,
+                                          old.files() if old is not None else set())
+                b = build_full(log, lsn, w, budget, groups, executor, remote)
+            else:
+                b = build_incremental(log, usable, lsn, w, budget)
+            w.close()
+            _finish(b, w.sink)
+        except BaseException:
+            w.close()
+            log.storage.delete_tree(f"{PENDING_DIR}/{token}")
+            raise
+        have = old.files() if old is not None else set()
+        written = sum(1 for es in b.tables.values() for f in es.values()
+                      if f.path not in have)
+        ptr = _publish(log, b, lsn, old, token)
+        if ptr is not None:
+            return MaterializeReport(lsn, lsn, b.full, b.runs_folded, written, b.buckets,
+                                     time.perf_counter() - t0)
+        # lost the race: the winner's state serves if it covers as much
+        won = usable_pointer(log)
+        if won is not None and won.lsn >= lsn and not full:
+            return MaterializeReport(won.lsn, lsn, False, 0, 0, 0, time.perf_counter() - t0)
+    raise PoimenError(f"materialize: lost {MAX_PUBLISH_TRIES} races to concurrent "
+                      "materializers in a row")
+
+
+def _hint_stale(log: EventLog, ptr: Pointer) -> bool:
+    data = log.storage.read_or_none(POINTER)
+    if data is None:
+        return ptr.gen > 0
     try:
-        old = read_pointer(log)
+        return _parse(log, data, POINTER).gen != ptr.gen
     except CorruptionError:
-        pass
-    usable = old if old is not None and old.usable and old.lsn <= lsn else None
-    if usable is not None and usable.lsn == lsn and not full:
-        return lsn
-    if usable is None or full:
-        b = _build_full(log, lsn)
-    else:
-        b = _build_incremental(log, usable, lsn)
-    _publish(log, b, lsn, old)
-    return lsn
+        return True
 
 
-__all__ = ["POINTER", "Pointer", "materialize", "read_pointer", "read_file", "table_schemas",
-           "usable_pointer"]
+def _remote_fold(log: EventLog, lsn: int, budget: Budget, token: str,
+                 have: set[str]) -> Any:
+    """The function a Dask worker runs for one group of buckets: open the log read-only,
+    fold, write the files to the pending folder, return their entries and index rows."""
+    return functools.partial(_fold_on_worker, log.root, log.storage.storage_options, lsn,
+                             budget.memory_limit, token, frozenset(have))
+
+
+def _fold_on_worker(root: str, storage_options: dict[str, Any], lsn: int, memory: int,
+                    token: str, have: frozenset[str], buckets: tuple[int, ...],
+                    with_reductions: bool) -> tuple[dict[str, list[FileEntry]], pa.Table]:
+    from poimen_data.log._log import open_log
+
+    log = open_log(root, storage_options or None, create=False, read_only=True)
+    sink = _pending_sink(log, token, set(have)) if token else (lambda *_a: None)
+    w = Writer(sink)
+    try:
+        index = B.full_pass(log, lsn, buckets, w, Budget(memory), with_reductions=with_reductions)
+    finally:
+        w.close()
+    return {t: list(es.values()) for t, es in w.entries.items()}, index
+
+
+__all__ = ["INDEX", "POINTER", "STATE_TABLES", "FileEntry", "MaterializeReport", "Pointer",
+           "files_in_use", "materialize", "parquet_bytes", "read_bytes", "read_file",
+           "read_pointer",
+           "read_run", "table_schemas", "usable_pointer"]

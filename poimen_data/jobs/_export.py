@@ -274,7 +274,7 @@ def _connect(log: EventLog, source: str, lsn: int,
 
 def _state_table(log: EventLog, ptr: _state.Pointer, name: str) -> pa.Table:
     schema = _state.table_schemas()[name]
-    parts = [_state.read_file(log, f).cast(schema) for f in ptr.tables.get(name, ())]
+    parts = [_state.read_file(log, f, ptr).cast(schema) for f in ptr.tables.get(name, ())]
     return pa.concat_tables(parts) if parts else schema.empty_table()
 
 

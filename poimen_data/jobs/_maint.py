@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from poimen_data.errors import CorruptionError, LeaseHeld, NotFound, ValidationError, WritersActive
+from poimen_data.errors import LeaseHeld, NotFound, ValidationError, WritersActive
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
 from poimen_data.log._txn import now_iso
@@ -401,13 +401,11 @@ def _vacuum_state(log: EventLog, files: list[str], old_enough: Callable[[str], b
     """Remove materialized-state files that neither the pointer nor the generation it
     replaced names (a materialize that crashed before publishing leaves such files).
     Nothing is removed when the pointer cannot be read."""
-    from poimen_data.fold._state import POINTER, read_pointer
+    from poimen_data.fold._state import files_in_use
 
-    try:
-        ptr = read_pointer(log)
-    except CorruptionError:
+    keep = files_in_use(log)
+    if keep is None:
         return 0
-    keep = {POINTER} | (ptr.files() | set(ptr.prev_files) if ptr is not None else set())
     n = 0
     for f in files:
         if f not in keep and old_enough(f):

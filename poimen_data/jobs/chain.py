@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from rich.table import Table
 
-from poimen_data.fold._query import check as _check
+from poimen_data.fold._check import check as _check
 from poimen_data.fold._state import materialize as _materialize
 from poimen_data.jobs._export import export_live
 from poimen_data.jobs._grade import grade as _grade
@@ -90,8 +90,8 @@ def compact(log: Any) -> StageResult:
 
 def materialize(log: Any) -> StageResult:
     def body() -> tuple[str, Any]:
-        lsn = _materialize(log)
-        return f"state covers LSN {lsn} (head {log.head})", {"covers_lsn": lsn}
+        r = _materialize(log)
+        return str(r), r
     return _run("materialize", body)
 
 
