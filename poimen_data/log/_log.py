@@ -583,6 +583,106 @@ class EventLog:
                     return m
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
 
+    # -- streaming reads: one segment in memory at a time --------------------------
+
+    #: segments whose bytes ``scan`` checked against their manifest (set on first use)
+    _scan_checked: set[str]
+
+    def scan(self, at_lsn: int | None = None, min_lsn: int = 1, *,
+             columns: Sequence[str] | None = None,
+             run_ids: Sequence[str] | pa.Array | None = None) -> Iterator[pa.RecordBatch]:
+        """The events ``read_events`` returns, as record batches in LSN order, read one
+        segment at a time and never cached: memory stays near one segment's size
+        whatever the log's length (local segments are memory-mapped, so only the pages a
+        consumer touches are read). ``columns`` projects to those ``LOG_SCHEMA`` names;
+        ``run_ids`` keeps the events of those runs only. Each segment is checked against
+        its manifest (size, sha256) once per ``EventLog``, streaming."""
+        import pyarrow.compute as pc
+
+        head = self.refresh()
+        hi = head if at_lsn is None else at_lsn
+        if hi < 0 or hi > head:
+            raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
+        try:
+            schema = pa.schema([ev.LOG_SCHEMA.field(c) for c in (
+                ev.LOG_SCHEMA.names if columns is None else columns)])
+        except KeyError as exc:
+            raise ValidationError(f"scan: no event column {exc}") from None
+        keep = None
+        if run_ids is not None:
+            keep = run_ids if isinstance(run_ids, pa.Array) else pa.array(list(run_ids),
+                                                                          pa.string())
+        for s in self.segments(hi, min_lsn):
+            lo_i, hi_i = max(0, min_lsn - s.first_lsn), min(s.rows, hi - s.first_lsn + 1)
+            for offset, batch, has_lsn in self._scan_segment(s):
+                a, b = max(lo_i, offset), min(hi_i, offset + batch.num_rows)
+                if a >= b:
+                    continue
+                if (a, b) != (offset, offset + batch.num_rows):
+                    batch = batch.slice(a - offset, b - a)
+                if not has_lsn:
+                    lsn = np.arange(s.first_lsn + a, s.first_lsn + b, dtype=np.int64)
+                    batch = batch.add_column(0, ev.LOG_SCHEMA.field("seq"),
+                                             pa.array(np.full(b - a, s.seq, np.int64)))
+                    batch = batch.add_column(0, ev.LOG_SCHEMA.field("lsn"), pa.array(lsn))
+                if keep is not None:
+                    batch = batch.filter(pc.is_in(batch.column("run_id"), keep))
+                    if not batch.num_rows:
+                        continue
+                try:
+                    batch = batch.select(schema.names)
+                    if batch.schema != schema:
+                        batch = batch.cast(schema)
+                except (KeyError, pa.ArrowInvalid) as exc:
+                    raise CorruptionError(f"{self.storage.url_of(s.path)}: unexpected "
+                                          f"schema: {exc}") from None
+                yield batch
+
+    def _scan_segment(self, s: SegmentInfo) -> Iterator[tuple[int, pa.RecordBatch, bool]]:
+        """(row offset, batch, has lsn/seq columns) of one segment, checked."""
+        cached = self._tables.get(s.path)
+        if cached is not None:
+            offset = 0
+            for batch in cached.to_batches():
+                yield offset, batch, True
+                offset += batch.num_rows
+            return
+        name = self.storage.url_of(s.path)
+        checked = self.__dict__.setdefault("_scan_checked", set())
+        if self.storage.kind == "local":
+            if s.path not in checked:
+                self._check_streaming(s)
+                checked.add(s.path)
+            self.storage.calls["read"] += 1
+            source: Any = pa.memory_map(self.storage.full(s.path))
+        else:
+            source = pa.py_buffer(self._read_verified(s.path, s.size, s.sha256))
+        try:
+            reader = pa.ipc.open_file(source)
+            n, offset = reader.num_record_batches, 0
+            for i in range(n):
+                batch = reader.get_batch(i)
+                yield offset, batch, s.has_lsn
+                offset += batch.num_rows
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorruptionError(f"{name}: not a readable Arrow IPC file: {exc}") from None
+        if offset != s.rows:
+            raise CorruptionError(f"{name}: {offset} rows, manifest says {s.rows}")
+
+    def _check_streaming(self, s: SegmentInfo) -> None:
+        """Size and sha256 of a local segment, read in pieces (never held whole)."""
+        name = self.storage.url_of(s.path)
+        h, size = hashlib.sha256(), 0
+        try:
+            with open(self.storage.full(s.path), "rb") as f:
+                while piece := f.read(1 << 22):
+                    h.update(piece)
+                    size += len(piece)
+        except FileNotFoundError:
+            raise CorruptionError(f"{name}: listed by a manifest but missing") from None
+        if size != s.size or h.hexdigest() != s.sha256:
+            raise CorruptionError(f"{name}: size or sha256 differs from its manifest")
+
 
 # -- opening ---------------------------------------------------------------------------
 
