@@ -620,11 +620,13 @@ class EventLog:
                     continue
                 if (a, b) != (offset, offset + batch.num_rows):
                     batch = batch.slice(a - offset, b - a)
-                if not has_lsn:
+                if not has_lsn:  # from buffers: pa.array(ndarray) would import pandas
                     lsn = np.arange(s.first_lsn + a, s.first_lsn + b, dtype=np.int64)
-                    batch = batch.add_column(0, ev.LOG_SCHEMA.field("seq"),
-                                             pa.array(np.full(b - a, s.seq, np.int64)))
-                    batch = batch.add_column(0, ev.LOG_SCHEMA.field("lsn"), pa.array(lsn))
+                    seq = np.full(b - a, s.seq, np.int64)
+                    for name, col in (("seq", seq), ("lsn", lsn)):
+                        arr = pa.Array.from_buffers(pa.int64(), b - a,
+                                                    [None, pa.py_buffer(col)])
+                        batch = batch.add_column(0, ev.LOG_SCHEMA.field(name), arr)
                 if keep is not None:
                     batch = batch.filter(pc.is_in(batch.column("run_id"), keep))
                     if not batch.num_rows:
