@@ -230,6 +230,12 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
         explain: Annotated[str | None, typer.Option(
             "--explain", metavar="VIEW", help="Print the SQL that defines a view.")] = None,
         max_rows: Annotated[int, typer.Option(min=1, help="Rows to print.")] = 40,
+        source: Annotated[str, typer.Option(
+            help="auto (state + a fold of later commits) | state | log (fold it all)")]
+        = "auto",
+        memory_limit: Annotated[str | None, typer.Option(
+            help="DuckDB memory cap, e.g. 2GB (default $POIMEN_MEMORY_LIMIT, else a "
+                 "quarter of the machine).")] = None,
         at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Run SQL over the views (events, runs, branches, attempts, trajectories, verdicts,
     reductions, anomalies); blob_text(ref) reads a body. No QUERY opens a prompt."""
@@ -237,7 +243,8 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
         out.print(_view_sql(explain), highlight=False, markup=False)
         return
     log = open_root(root)
-    con = pdm.connect(log, at_lsn=at_lsn)
+    con = pdm.connect(log, at_lsn=at_lsn, source=source,  # type: ignore[arg-type]
+                      memory_limit=memory_limit)
     if query is None:
         _repl(con, max_rows)
     else:

@@ -323,3 +323,32 @@ def test_connect_query_and_episode_stay_within_a_budget(tmp_path) -> None:
     assert (used, int(runs), int(events)) == ("state+log", n_runs, 303_000)
     assert int(branches) == len(pdm.episode(log, "run-000007-c3", source="log").branches)
     assert int(grown_mb) < 64, out
+
+
+def test_poimen_sql_source_and_memory_options(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from poimen_data import cli
+
+    root = str(tmp_path / "log")
+    log = pdm.open_log(root)
+    harness(log, "a")
+    lsn = pdm.materialize(log)
+    commit(log, ev.RunFinished("acme", "a", "failed", ts=T))
+
+    def sql(*args: str) -> Any:
+        return CliRunner().invoke(cli.app, ["sql", "--root", root, "--json", *args],
+                                  catch_exceptions=False)
+
+    q = "select getvariable('poimen_source') as s, state from runs"
+    for args, want in (((), "state+log"), (("--source", "log"), "log"),
+                       (("--at-lsn", str(lsn), "--source", "state"), "state")):
+        r = sql(*args, "--memory-limit", "100MB", q)
+        assert r.exit_code == 0, r.output
+        assert want in r.stdout and ("verifying" if "--at-lsn" in args else "failed") \
+            in r.stdout
+    r = sql("--source", "state", q)
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert f"covers lsn {lsn}, not lsn {lsn + 1}" in r.stderr
+    r = sql("--memory-limit", "lots", q)
+    assert r.exit_code != 0 and "memory_limit: not a memory size" in r.stderr

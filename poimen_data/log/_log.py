@@ -658,7 +658,7 @@ class EventLog:
             self.storage.calls["read"] += 1
             source: Any = pa.memory_map(self.storage.full(s.path))
         else:
-            source = pa.py_buffer(self._read_verified(s.path, s.size, s.sha256))
+            source = self._remote_segment(s)
         try:
             reader = pa.ipc.open_file(source)
             n, offset = reader.num_record_batches, 0
@@ -670,6 +670,21 @@ class EventLog:
             raise CorruptionError(f"{name}: not a readable Arrow IPC file: {exc}") from None
         if offset != s.rows:
             raise CorruptionError(f"{name}: {offset} rows, manifest says {s.rows}")
+
+    def _remote_segment(self, s: SegmentInfo) -> pa.Buffer:
+        """A remote segment's checked bytes; kept while all kept stay under
+        ``SCAN_CACHE_BYTES``, so repeated scans of a small log read each segment once."""
+        cache: dict[str, pa.Buffer] = self.__dict__.setdefault("_scan_cache", {})
+        buf = cache.get(s.path)
+        if buf is None:
+            buf = pa.py_buffer(self._read_verified(s.path, s.size, s.sha256))
+            with self._lock:
+                if sum(b.size for b in cache.values()) + buf.size <= self.SCAN_CACHE_BYTES:
+                    cache[s.path] = buf
+        return buf
+
+    #: bytes of remote segments ``scan`` keeps between scans (the rest is read again)
+    SCAN_CACHE_BYTES = 64 << 20
 
     def _check_streaming(self, s: SegmentInfo) -> None:
         """Size and sha256 of a local segment, read in pieces (never held whole)."""
