@@ -814,4 +814,5 @@ SCENARIOS: list[Scenario] = [
     Scenario("grading", "grading", GOALS["grading"], grading),
     Scenario("export", "export", GOALS["export"], export),
     Scenario("s3_commit", "S3 commit", GOALS["s3_commit"], s3_commit),
+    __import__("poimen_data.bench._scale_sql", fromlist=["SCENARIO"]).SCENARIO,
 ]

@@ -27,7 +27,7 @@ from poimen_data.fold._fold import (
     register_blob_text,
     run_events,
 )
-from poimen_data.fold._state import INDEX, Pointer, table_schemas, usable_pointer
+from poimen_data.fold._state import INDEX, Pointer, usable_pointer
 from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
 
@@ -107,9 +107,7 @@ def fold_tail(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
     parts = [new]
     if lo <= ptr.lsn:
         parts.insert(0, run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo))
-    tables = fold_tables(pa.concat_tables(parts), VIEWS)
-    schemas = table_schemas()
-    return Tail(touched, {t: tables[t].cast(schemas[t]) for t in VIEWS})
+    return Tail(touched, fold_tables(pa.concat_tables(parts), VIEWS))
 
 
 def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
@@ -122,11 +120,9 @@ def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
         _temp_table(con, f"{_PREFIX}_touched", pa.table({"run_id": tail.touched}))
         for t in VIEWS:
             _temp_table(con, f"{_PREFIX}_tail_{t}", tail.tables[t])
-    for t in VIEWS:
-        src = _files_sql(log, ptr, t)
-        if src is None:
-            src = f"{_PREFIX}_empty_{t}"
-            _temp_table(con, src, table_schemas()[t].empty_table())
+    for t, sql in VIEW_SQL.items():  # in dependency order, for the empty ones
+        # A table with no file is the fold's text over no rows (DuckDB never scans for it).
+        src = _files_sql(log, ptr, t) or f"(SELECT * FROM ({sql}) WHERE false)"
         body = f"SELECT * FROM {src}"
         if tail is not None:
             if t in PER_RUN_TABLES:
