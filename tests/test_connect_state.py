@@ -299,10 +299,11 @@ print(used, sum(n for _s, n in runs), sum(n for _k, n in kinds), len(one.branche
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM (Linux)")
 def test_connect_query_and_episode_stay_within_a_budget(tmp_path) -> None:
-    """A log whose events take ~150 MB in Arrow, five times a 32 MB budget: in a child,
-    ``connect`` (state + 1% tail), a group-by over ``runs``, one over ``events`` (every
-    segment streamed) and ``episode(source="log")`` add less than twice the budget to
-    the peak RSS (reading the log into memory, as before, adds about 150 MB)."""
+    """A log whose events take ~200 MB in Arrow, three times a 64 MB budget (about the
+    least DuckDB folds in): in a child, ``connect`` (state + 1% tail), a group-by over
+    ``runs``, one over ``events`` (every segment streamed) and ``episode(source="log")``
+    add less than 1.5 budgets to the peak RSS (about 40 MB here; reading the log into
+    memory, as ``connect`` did before, adds about 180 MB)."""
     from poimen_data.synth import events_table
 
     root = tmp_path / "log"
@@ -317,18 +318,19 @@ def test_connect_query_and_episode_stay_within_a_budget(tmp_path) -> None:
             tx.extend(t)
 
     for c in range(5):
-        extend(60_000, c, f"-c{c}")
+        extend(80_000, c, f"-c{c}")
     pdm.materialize(log)
-    extend(3_000, 99, "-tail")
-    n_runs = len(pc.unique(log.read_events(log.head, 300_001).column("run_id"))) + \
+    extend(4_000, 99, "-tail")
+    n_runs = len(pc.unique(log.read_events(log.head, 400_001).column("run_id"))) + \
         pa.concat_tables(_state.read_file(log, f) for f in
                          _state.read_pointer(log).tables["runs"]).num_rows
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(root), "32MB", "run-000007-c3"],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
-    used, runs, events, branches, grown_mb = out.split()
-    assert (used, int(runs), int(events)) == ("state+log", n_runs, 303_000)
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(root), "64MB", "run-000007-c3"],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    used, runs, events, branches, grown_mb = out = child.stdout.split()
+    assert (used, int(runs), int(events)) == ("state+log", n_runs, 404_000)
     assert int(branches) == len(pdm.episode(log, "run-000007-c3", source="log").branches)
-    assert int(grown_mb) < 64, out
+    assert int(grown_mb) < 96, out
 
 
 def test_poimen_sql_source_and_memory_options(tmp_path) -> None:

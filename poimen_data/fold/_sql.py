@@ -9,7 +9,6 @@ do (every fold rule looks at one run). ``events`` streams the segments on each s
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import duckdb
@@ -21,8 +20,6 @@ from poimen_data.fold._fold import (
     PER_RUN_TABLES,
     TABLE_KEYS,
     VIEW_SQL,
-    VIEWS,
-    fold_tables,
     new_connection,
     register_blob_text,
     run_events,
@@ -34,6 +31,8 @@ from poimen_data.model import _events as ev
 SOURCES = ("auto", "state", "log")
 #: Prefix of the helper tables a state connection holds (temp tables, out of the views' way).
 _PREFIX = "_poimen"
+#: The schema holding the tail's events and the fold's views over them.
+TAIL = f"{_PREFIX}_tail"
 
 
 class EventStream:
@@ -53,15 +52,6 @@ class EventStream:
         return reader.__arrow_c_stream__(requested_schema)
 
 
-@dataclass(frozen=True)
-class Tail:
-    """The fold of the runs that commits after the state touched (their whole history),
-    plus the reductions those commits made: what replaces and extends the state's rows."""
-
-    touched: pa.Array
-    tables: dict[str, pa.Table]
-
-
 def _quote(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
@@ -74,40 +64,41 @@ def _files_sql(log: EventLog, ptr: Pointer, table: str) -> str | None:
     return f"read_parquet([{', '.join(_quote(f) for f in files)}])"
 
 
-def _temp_table(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None:
+def _load(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> None:
+    """Run ``sql`` with ``table`` as ``_poimen_arrow`` (copied into DuckDB, which may spill
+    it; nothing stays registered)."""
     con.register(f"{_PREFIX}_arrow", table)
     try:
-        con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS SELECT * FROM {_PREFIX}_arrow")
+        con.execute(sql.format(arrow=f"{_PREFIX}_arrow"))
     finally:
         con.unregister(f"{_PREFIX}_arrow")
 
 
-def _first_lsn(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
-               touched: pa.Array) -> int:
-    """The first LSN of the earliest of ``touched`` that the state holds (from its run
-    index, read with the runs as a filter); 1 when the state has no index."""
-    src = _files_sql(log, ptr, INDEX)
-    if src is None:
-        return 1 if ptr.tables.get("runs") else ptr.lsn + 1
-    _temp_table(con, f"{_PREFIX}_wanted", pa.table({"run_id": touched}))
-    row = con.execute(f"SELECT min(first_lsn) FROM {src} WHERE run_id IN "
-                      f"(SELECT run_id FROM {_PREFIX}_wanted)").fetchall()
-    con.execute(f"DROP TABLE {_PREFIX}_wanted")
-    return ptr.lsn + 1 if row[0][0] is None else int(row[0][0])
-
-
-def fold_tail(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
-              lsn: int) -> Tail:
-    """Fold the runs touched by commits in ``(ptr.lsn, lsn]``, each from its first event
-    (found through the state's run index), plus those commits' reductions. Reads the
-    tail and the earlier segments that hold those runs' events, keeping only theirs."""
+def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn: int) -> None:
+    """Schema ``_poimen_tail``: the events of the runs that commits in ``(ptr.lsn, lsn]``
+    touched, from each run's first event (found through the state's run index), plus
+    those commits' reductions; the fold's views over them (DuckDB binds a view's names in
+    its own schema first); and ``touched``, the runs whose state rows they replace. The
+    views fold when a query reads them, like the log's."""
     new = pa.Table.from_batches(list(log.scan(lsn, ptr.lsn + 1)), ev.LOG_SCHEMA)
+    con.execute(f"CREATE SCHEMA {TAIL}")
+    _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
     touched = pc.unique(new.column("run_id").drop_null())
-    lo = _first_lsn(con, log, ptr, touched) if len(touched) else ptr.lsn + 1
-    parts = [new]
+    index = _files_sql(log, ptr, INDEX)
+    lo = ptr.lsn + 1
+    if len(touched) and index is None and ptr.tables.get("runs"):
+        lo = 1  # no run index: the touched runs' first events may be anywhere
+    elif len(touched) and index is not None:
+        first = con.execute(f"SELECT min(first_lsn) FROM {index} WHERE run_id IN "
+                            f"(SELECT run_id FROM {TAIL}.events)").fetchall()[0][0]
+        lo = lo if first is None else min(lo, int(first))
     if lo <= ptr.lsn:
-        parts.insert(0, run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo))
-    return Tail(touched, fold_tables(pa.concat_tables(parts), VIEWS))
+        older = run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo)
+        _load(con, f"INSERT INTO {TAIL}.events SELECT * FROM {{arrow}}", older)
+    for name, sql in VIEW_SQL.items():
+        con.execute(f"CREATE VIEW {TAIL}.{name} AS {sql}")
+    con.execute(f"CREATE VIEW {TAIL}.touched AS SELECT DISTINCT run_id FROM {TAIL}.events "
+                "WHERE run_id IS NOT NULL")
 
 
 def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
@@ -115,19 +106,17 @@ def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
     """Create the views over the state's files, topped up with the tail's fold."""
     if log.storage.kind != "local":
         con.register_filesystem(log.storage.fs)
-    tail = fold_tail(con, log, ptr, lsn) if ptr.lsn < lsn else None
-    if tail is not None:
-        _temp_table(con, f"{_PREFIX}_touched", pa.table({"run_id": tail.touched}))
-        for t in VIEWS:
-            _temp_table(con, f"{_PREFIX}_tail_{t}", tail.tables[t])
+    tail = ptr.lsn < lsn
+    if tail:
+        tail_views(con, log, ptr, lsn)
     for t, sql in VIEW_SQL.items():  # in dependency order, for the empty ones
         # A table with no file is the fold's text over no rows (DuckDB never scans for it).
         src = _files_sql(log, ptr, t) or f"(SELECT * FROM ({sql}) WHERE false)"
         body = f"SELECT * FROM {src}"
-        if tail is not None:
+        if tail:
             if t in PER_RUN_TABLES:
-                body += f" WHERE run_id NOT IN (SELECT run_id FROM {_PREFIX}_touched)"
-            body += f" UNION ALL BY NAME SELECT * FROM {_PREFIX}_tail_{t}"
+                body += f" WHERE run_id NOT IN (SELECT run_id FROM {TAIL}.touched)"
+            body += f" UNION ALL BY NAME SELECT * FROM {TAIL}.{t}"
         con.execute(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM ({body}) "
                     f"ORDER BY {', '.join(TABLE_KEYS[t])}")
 
@@ -135,6 +124,26 @@ def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
 def _log_views(con: duckdb.DuckDBPyConnection) -> None:
     for name, sql in VIEW_SQL.items():  # DuckDB binds a view at creation: dependencies first
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+
+
+def _connection(memory: int | str | None) -> duckdb.DuckDBPyConnection:
+    # a progress bar only on a terminal: in Jupyter DuckDB's bar needs ipywidgets
+    return new_connection(progress=sys.stderr.isatty(), memory=memory)
+
+
+def _try_state(log: EventLog, ptr: Pointer, lsn: int,
+               memory: int | str | None) -> duckdb.DuckDBPyConnection:
+    con = _connection(memory)
+    try:
+        # ``events`` is a plain view here, never the registered stream itself: a temp
+        # object would shadow the tail schema's own ``events`` in its views
+        con.register(f"{_PREFIX}_events", EventStream(log, lsn))
+        con.execute(f"CREATE VIEW events AS SELECT * FROM {_PREFIX}_events")
+        _state_views(con, log, ptr, lsn)
+    except BaseException:
+        con.close()
+        raise
+    return con
 
 
 def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
@@ -148,32 +157,30 @@ def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
     lsn = head if at_lsn is None else at_lsn
     if not 0 <= lsn <= head:
         raise ValidationError(f"connect: at_lsn {at_lsn} is outside 0..{head}")
-    # a progress bar only on a terminal: in Jupyter DuckDB's bar needs ipywidgets
-    con = new_connection(progress=sys.stderr.isatty(), memory=memory)
-    try:
-        con.register("events", EventStream(log, lsn))
-        used = "log"
-        for attempt in range(2):  # a concurrent materialize may remove what we just read
-            ptr = None if source == "log" else usable_pointer(log)
-            if source == "state" and (ptr is None or ptr.lsn != lsn):
-                have = "no usable materialized state" if ptr is None else \
-                    f"the materialized state covers lsn {ptr.lsn}"
-                raise NotFound(f"connect: {have}, not lsn {lsn} (run materialize, or use "
-                               "source='auto' or 'log')")
-            if ptr is None or ptr.lsn > lsn:
-                break
-            try:
-                _state_views(con, log, ptr, lsn)
-            except (duckdb.IOException, CorruptionError) as exc:
-                if attempt or source == "state":
-                    if source == "state":
-                        raise CorruptionError(f"connect: the state at lsn {ptr.lsn} is "
-                                              f"unreadable: {exc}") from None
-                    break  # serve the log instead
-                continue
-            used = "state" if ptr.lsn == lsn else "state+log"
+    con, used = None, "log"
+    for _attempt in range(2):  # a concurrent materialize may remove what we just read
+        ptr = None if source == "log" else usable_pointer(log)
+        if source == "state" and (ptr is None or ptr.lsn != lsn):
+            have = "no usable materialized state" if ptr is None else \
+                f"the materialized state covers lsn {ptr.lsn}"
+            raise NotFound(f"connect: {have}, not lsn {lsn} (run materialize, or use "
+                           "source='auto' or 'log')")
+        if ptr is None or ptr.lsn > lsn:
             break
+        try:
+            con = _try_state(log, ptr, lsn, memory)
+        except (duckdb.IOException, CorruptionError) as exc:
+            if source == "state":
+                raise CorruptionError(f"connect: the state at lsn {ptr.lsn} is "
+                                      f"unreadable: {exc}") from None
+            continue  # read the pointer again; then serve the log
+        used = "state" if ptr.lsn == lsn else "state+log"
+        break
+    if con is None:
+        con = _connection(memory)
+    try:
         if used == "log":
+            con.register("events", EventStream(log, lsn))
             _log_views(con)
         con.execute("SET VARIABLE poimen_source = ?", [used])
         con.execute("SET VARIABLE poimen_lsn = ?", [lsn])
@@ -184,4 +191,4 @@ def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
     return con
 
 
-__all__ = ["SOURCES", "EventStream", "Tail", "fold_tail", "open_views"]
+__all__ = ["SOURCES", "TAIL", "EventStream", "open_views", "tail_views"]
