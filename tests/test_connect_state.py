@@ -55,7 +55,7 @@ def assert_same_views(log: pdm.EventLog, at_lsn: int | None = None) -> str:
 # --- property: state + tail == cold fold ---------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, compact_at=st.integers(0, 30), picks=st.lists(st.integers(0, 10**6),
                                                               max_size=3))
 def test_views_from_state_and_tail_equal_the_cold_fold(ops, compact_at, picks) -> None:
