@@ -156,7 +156,7 @@ def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
     head = log.head
     lsn = head if at_lsn is None else at_lsn
     if not 0 <= lsn <= head:
-        raise ValidationError(f"connect: at_lsn {at_lsn} is outside 0..{head}")
+        raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
     con, used = None, "log"
     for _attempt in range(2):  # a concurrent materialize may remove what we just read
         ptr = None if source == "log" else usable_pointer(log)
