@@ -585,8 +585,10 @@ class EventLog:
 
     # -- streaming reads: one segment in memory at a time --------------------------
 
-    #: segments whose bytes ``scan`` checked against their manifest (set on first use)
+    #: set on first use (``scan`` keeps out of ``__init__``): the local segments whose
+    #: bytes it checked against their manifest, and the remote segments' bytes it keeps
     _scan_checked: set[str]
+    _scan_cache: dict[str, pa.Buffer]
 
     def scan(self, at_lsn: int | None = None, min_lsn: int = 1, *,
              columns: Sequence[str] | None = None,
@@ -651,12 +653,16 @@ class EventLog:
             return
         name = self.storage.url_of(s.path)
         checked = self.__dict__.setdefault("_scan_checked", set())
+        source: Any
         if self.storage.kind == "local":
             if s.path not in checked:
                 self._check_streaming(s)
                 checked.add(s.path)
             self.storage.calls["read"] += 1
-            source: Any = pa.memory_map(self.storage.full(s.path))
+            try:
+                source = pa.memory_map(self.storage.full(s.path))
+            except FileNotFoundError:
+                raise CorruptionError(f"{name}: listed by a manifest but missing") from None
         else:
             source = self._remote_segment(s)
         try:
@@ -674,7 +680,7 @@ class EventLog:
     def _remote_segment(self, s: SegmentInfo) -> pa.Buffer:
         """A remote segment's checked bytes; kept while all kept stay under
         ``SCAN_CACHE_BYTES``, so repeated scans of a small log read each segment once."""
-        cache: dict[str, pa.Buffer] = self.__dict__.setdefault("_scan_cache", {})
+        cache = self.__dict__.setdefault("_scan_cache", {})
         buf = cache.get(s.path)
         if buf is None:
             buf = pa.py_buffer(self._read_verified(s.path, s.size, s.sha256))
