@@ -29,7 +29,7 @@ from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
 
 SOURCES = ("auto", "state", "log")
-#: Prefix of the helper tables a state connection holds (temp tables, out of the views' way).
+#: Prefix of the names a state connection adds for itself (the stream, the tail schema).
 _PREFIX = "_poimen"
 #: The schema holding the tail's events and the fold's views over them.
 TAIL = f"{_PREFIX}_tail"
