@@ -271,6 +271,12 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
             "--allow-external", "--unsafe",
             help="Let SQL read and write any file or URL (read_csv, COPY ... TO, ATTACH, "
                  "INSTALL/LOAD); off by default.")] = False,
+        source: Annotated[str, typer.Option(
+            help="auto (state + a fold of later commits) | state | log (fold it all)")]
+        = "auto",
+        memory_limit: Annotated[str | None, typer.Option(
+            help="DuckDB memory cap, e.g. 2GB (default $POIMEN_MEMORY_LIMIT, else a "
+                 "quarter of the machine).")] = None,
         at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Run SQL over the views (events, runs, branches, attempts, trajectories, verdicts,
     reductions, anomalies); blob_text(ref) reads a body. No QUERY opens a prompt.
@@ -279,7 +285,8 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
         out.print(_view_sql(explain), highlight=False, markup=False)
         return
     log = open_root(root)
-    con = pdm.connect(log, at_lsn=at_lsn)
+    con = pdm.connect(log, at_lsn=at_lsn, source=source,  # type: ignore[arg-type]
+                      memory_limit=memory_limit)
     if not allow_external:
         lock_down(con)
     if query is None:

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from poimen_data.bench import _scale_fold
+from poimen_data.bench import _scale_fold, _scale_sql
 from poimen_data.bench._core import (
     Ctx,
     Goal,
@@ -817,4 +817,5 @@ SCENARIOS: list[Scenario] = [
     Scenario("export", "export", GOALS["export"], export),
     Scenario("s3_commit", "S3 commit", GOALS["s3_commit"], s3_commit),
     Scenario("scale_fold", "scale: materialize", _scale_fold.GOAL, _scale_fold.scale_fold),
+    _scale_sql.SCENARIO,
 ]

@@ -2,7 +2,8 @@
 (docs/DESIGN.md, "SQL views").
 
 ``VIEW_SQL`` maps each view to the exact SQL DuckDB runs (print it, read it, diff it).
-``connect()`` registers the log's events as ``events`` and these texts as views; the
+``connect()`` serves the views from the materialized state plus a fold of the runs
+touched since (``_sql.py``), or runs these texts over the log's events; the
 materializer (``_state.py``) runs the very same texts into tables, so a view and the
 stored state can never fold differently. The fold is total and deterministic: every
 event is kept, forbidden ones are folded by the same rules and listed in ``anomalies``.
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
+import tempfile
+import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from poimen_data.errors import ValidationError
 from poimen_data.log._log import EventLog, as_log
@@ -279,18 +280,57 @@ FOLD_VERSION = "1-" + hashlib.sha256(
 REF_SQL_TYPE = "STRUCT(tenant VARCHAR, sha256 VARCHAR, size BIGINT)"
 
 
-def new_connection(events: pa.Table, *, progress: bool = False) -> duckdb.DuckDBPyConnection:
-    """A private DuckDB connection with ``events`` registered and the session pinned to
-    UTC (timestamps come back as UTC, whatever the machine's zone). Internal folds print
-    no progress bar (it would land in the middle of a CLI's output)."""
+#: Environment variable that sets DuckDB's memory limit for every fold and query.
+MEMORY_ENV = "POIMEN_MEMORY_LIMIT"
+
+
+def default_memory_limit() -> str:
+    """A quarter of the machine's physical memory (2 GiB where it cannot be read)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return "2GiB"
+    return f"{max(64, total // 4 >> 20)}MiB"
+
+
+def memory_limit(value: int | str | None = None) -> str:
+    """DuckDB's memory limit: ``value`` (bytes, or a DuckDB size such as ``"2GB"``), else
+    ``$POIMEN_MEMORY_LIMIT``, else a quarter of the machine's memory."""
+    if value is None:
+        value = os.environ.get(MEMORY_ENV) or default_memory_limit()
+    if isinstance(value, bool) or not isinstance(value, int | str) or \
+            (isinstance(value, int) and value < 1 << 20):
+        raise ValidationError(f"memory_limit must be a size such as '2GB' or a number of "
+                              f"bytes >= 1 MiB, got {value!r}")
+    return f"{value >> 10}KiB" if isinstance(value, int) else value.strip()
+
+
+def new_connection(events: pa.Table | None = None, *, progress: bool = False,
+                   memory: int | str | None = None) -> duckdb.DuckDBPyConnection:
+    """A private DuckDB connection, ``events`` registered when given, the session pinned
+    to UTC (timestamps come back as UTC, whatever the machine's zone), memory capped by
+    ``memory_limit(memory)`` and spilling to a temp directory of its own that DuckDB
+    makes on first use and removes at close (never ``.tmp`` in the working directory).
+    Internal folds print no progress bar (it would land in the middle of a CLI's output)."""
+    limit = memory_limit(memory)
     con = duckdb.connect(":memory:")
     con.execute("SET TimeZone = 'UTC'")
+    try:
+        con.execute(f"SET memory_limit = '{limit.replace(chr(39), '')}'")
+    except duckdb.Error as exc:
+        con.close()
+        where = MEMORY_ENV if memory is None and os.environ.get(MEMORY_ENV) else "memory_limit"
+        raise ValidationError(f"{where}: not a memory size: {limit!r} ({exc})") from None
+    spill = os.path.join(tempfile.gettempdir(),
+                         f"poimen-duckdb-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    con.execute(f"SET temp_directory = '{spill.replace(chr(39), chr(39) * 2)}'")
     if not progress:
         try:
             con.execute("SET enable_progress_bar = false")
         except duckdb.InvalidInputException:
             pass  # in Jupyter without ipywidgets DuckDB refuses to touch the setting at all
-    con.register("events", events)
+    if events is not None:
+        con.register("events", events)
     return con
 
 
@@ -325,35 +365,48 @@ def fold_tables(events: pa.Table, names: tuple[str, ...] = VIEWS) -> dict[str, p
         con.close()
 
 
-def run_events(log: EventLog, run_ids: Sequence[str], *, at_lsn: int,
+def run_events(log: EventLog, run_ids: Sequence[str] | pa.Array, *, at_lsn: int,
                min_lsn: int = 1) -> pa.Table:
-    """The events of some runs up to ``at_lsn`` (``min_lsn`` bounds what is read)."""
-    events = log.read_events(at_lsn, min_lsn)
-    return events.filter(pc.is_in(events.column("run_id"), pa.array(list(run_ids),
-                                                                     pa.string())))
+    """The events of some runs up to ``at_lsn`` (``min_lsn`` bounds what is read), kept
+    as the segments stream past: memory holds those runs' events, never the log."""
+    return pa.Table.from_batches(list(log.scan(at_lsn, min_lsn, run_ids=run_ids)),
+                                 ev.LOG_SCHEMA)
+
+
+Source = Literal["auto", "state", "log"]
 
 
 def connect(
     root_or_log: EventLog | str | os.PathLike[str],
     at_lsn: int | None = None,
     *,
+    source: Source = "auto",
+    memory_limit: int | str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection over the log as it stood at ``at_lsn`` (default: the head).
+    """A DuckDB connection with the views of the log as it stood at ``at_lsn`` (default:
+    the head). The connection is the caller's to close.
 
-    The events are read once, here (a zero-copy Arrow table of the verified segments);
-    the views fold them lazily on each query. ``blob_text(ref)`` reads a body only when
-    a query calls it, through ``log.blobs`` as it is at call time (so a counting wrapper
-    installed later still sees the calls). The connection is the caller's to close.
+    ``source="auto"`` serves each view from the materialized state (the parquet files its
+    pointer names) plus a fold of the runs that commits after it touched, so opening costs
+    the tail, not the log; with no usable state, or one newer than ``at_lsn``, the views
+    fold the log. ``"state"`` requires a state made at exactly ``at_lsn`` (else
+    ``NotFound``); ``"log"`` always folds the log. Either way the rows are those of a cold
+    fold. ``events`` streams the segments on each scan (never held in memory);
+    ``getvariable('poimen_source')`` says what served the views. ``memory_limit`` caps
+    DuckDB (default ``$POIMEN_MEMORY_LIMIT``, else a quarter of the machine), which
+    spills to a temp directory beyond it. ``blob_text(ref)`` reads a body only when a
+    query calls it, through ``log.blobs`` as it is at call time.
     """
-    log = as_log(root_or_log, storage_options=storage_options)
-    if at_lsn is not None and (isinstance(at_lsn, bool) or not isinstance(at_lsn, int)):
-        raise ValidationError(f"connect: at_lsn must be an int, got {at_lsn!r}")
-    events = log.read_events(at_lsn)
-    # a progress bar only on a terminal: in Jupyter DuckDB's bar needs ipywidgets
-    con = new_connection(events, progress=sys.stderr.isatty())
-    for name, sql in VIEW_SQL.items():  # DuckDB binds a view at creation: dependencies first
-        con.execute(f"CREATE VIEW {name} AS {sql}")
+    from poimen_data.fold._sql import open_views  # builds on this module and the state
+
+    return open_views(as_log(root_or_log, storage_options=storage_options), at_lsn,
+                      source=source, memory=memory_limit)
+
+
+def register_blob_text(con: duckdb.DuckDBPyConnection, log: EventLog) -> None:
+    """``blob_text(ref)``: the body of a ref as text (None once reduced), read at call
+    time through ``log.blobs`` (so a counting wrapper installed later sees the calls)."""
 
     def blob_text(ref: dict[str, Any] | None) -> str | None:
         if ref is None:
@@ -363,7 +416,6 @@ def connect(
 
     con.create_function("blob_text", blob_text, [REF_SQL_TYPE], "VARCHAR",
                         null_handling="special", side_effects=True)
-    return con
 
 
 def view_sql(name: str) -> str:
@@ -373,5 +425,6 @@ def view_sql(name: str) -> str:
     return VIEW_SQL[name]
 
 
-__all__ = ["FOLD_VERSION", "TABLE_KEYS", "VIEWS", "VIEW_SQL", "connect", "create_fold_tables",
-           "fold_tables", "run_events", "view_sql"]
+__all__ = ["FOLD_VERSION", "MEMORY_ENV", "TABLE_KEYS", "VIEWS", "VIEW_SQL", "connect",
+           "create_fold_tables", "fold_tables", "memory_limit", "new_connection", "run_events",
+           "view_sql"]

@@ -383,8 +383,8 @@ def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,
         return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
     try:
         if ptr.lsn < at_lsn:
-            newer = log.read_events(at_lsn, ptr.lsn + 1).column("run_id")
-            if pc.any(pc.equal(newer, run_id)).as_py():
+            newer = log.scan(at_lsn, ptr.lsn + 1, columns=("run_id",), run_ids=[run_id])
+            if any(b.num_rows for b in newer):
                 where = _locate(log, ptr, run_id)
                 lo = where[1] if where is not None else ptr.lsn + 1
                 return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches,

@@ -155,6 +155,16 @@ def _missing(log: EventLog, f: FileEntry) -> PoimenError:
                            "but missing")
 
 
+def locate(log: EventLog, f: FileEntry, ptr: Pointer) -> str:
+    """Where a named file is now (its table folder, the generation's pending folder, or
+    ``_prev/`` once a newer publish moved it aside): for readers that hand paths to another
+    engine (DuckDB's ``read_parquet``) instead of reading the bytes here."""
+    for rel in ptr.locations(f):
+        if log.storage.exists(rel):
+            return rel
+    raise _missing(log, f)
+
+
 def read_bytes(log: EventLog, f: FileEntry, ptr: Pointer | None = None) -> bytes:
     """A state file's bytes from wherever it is, checked against its sha256."""
     places = ptr.locations(f) if ptr is not None else (f.path, prev_path(f.path))
@@ -596,6 +606,6 @@ def _fold_on_worker(root: str, storage_options: dict[str, Any], lsn: int, memory
 
 
 __all__ = ["INDEX", "POINTER", "STATE_TABLES", "FileEntry", "MaterializeReport", "Pointer",
-           "files_in_use", "materialize", "parquet_bytes", "read_bytes", "read_file",
+           "files_in_use", "locate", "materialize", "parquet_bytes", "read_bytes", "read_file",
            "read_pointer",
            "read_run", "table_schemas", "usable_pointer"]

@@ -680,73 +680,139 @@ class EventLog:
                     return m
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
 
-    # -- streaming reads (bounded memory) ---------------------------------------------
+    # -- streaming reads: one segment in memory at a time --------------------------
 
-    def scan_events(self, at_lsn: int | None = None, min_lsn: int = 1, *,
-                    batch_rows: int = 65_536) -> pa.RecordBatchReader:
-        """The events with ``min_lsn <= lsn <= at_lsn`` as a stream of LOG_SCHEMA batches
-        in LSN order, read one segment at a time (each verified against its manifest by
-        a streaming sha256 first), so memory holds about one batch, never the log."""
+    #: set on first use (``scan`` keeps out of ``__init__``): the local segments whose
+    #: bytes it checked against their manifest, and the remote segments' bytes it keeps
+    _scan_checked: set[str]
+    _scan_cache: dict[str, pa.Buffer]
+
+    def scan(self, at_lsn: int | None = None, min_lsn: int = 1, *,
+             columns: Sequence[str] | None = None,
+             run_ids: Sequence[str] | pa.Array | None = None) -> Iterator[pa.RecordBatch]:
+        """The events ``read_events`` returns, as record batches in LSN order, read one
+        segment at a time and never cached: memory stays near one segment's size
+        whatever the log's length (local segments are memory-mapped, so only the pages a
+        consumer touches are read). ``columns`` projects to those ``LOG_SCHEMA`` names;
+        ``run_ids`` keeps the events of those runs only. Each segment is checked against
+        its manifest (size, sha256) once per ``EventLog``, streaming."""
+        import pyarrow.compute as pc
+
         head = self.refresh()
         hi = head if at_lsn is None else at_lsn
         if hi < 0 or hi > head:
             raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
-        segs = self.segments(hi, min_lsn)
+        try:
+            schema = pa.schema([ev.LOG_SCHEMA.field(c) for c in (
+                ev.LOG_SCHEMA.names if columns is None else columns)])
+        except KeyError as exc:
+            raise ValidationError(f"scan: no event column {exc}") from None
+        keep = None
+        if run_ids is not None:
+            keep = run_ids if isinstance(run_ids, pa.Array) else pa.array(list(run_ids),
+                                                                          pa.string())
+        for s in self.segments(hi, min_lsn):
+            lo_i, hi_i = max(0, min_lsn - s.first_lsn), min(s.rows, hi - s.first_lsn + 1)
+            for offset, batch, has_lsn in self._scan_segment(s):
+                a, b = max(lo_i, offset), min(hi_i, offset + batch.num_rows)
+                if a >= b:
+                    continue
+                if (a, b) != (offset, offset + batch.num_rows):
+                    batch = batch.slice(a - offset, b - a)
+                if not has_lsn:  # from buffers: pa.array(ndarray) would import pandas
+                    lsn = np.arange(s.first_lsn + a, s.first_lsn + b, dtype=np.int64)
+                    seq = np.full(b - a, s.seq, np.int64)
+                    for name, col in (("seq", seq), ("lsn", lsn)):
+                        arr = pa.Array.from_buffers(pa.int64(), b - a,
+                                                    [None, pa.py_buffer(col)])
+                        batch = batch.add_column(0, ev.LOG_SCHEMA.field(name), arr)
+                if keep is not None:
+                    batch = batch.filter(pc.is_in(batch.column("run_id"), keep))
+                    if not batch.num_rows:
+                        continue
+                try:
+                    batch = batch.select(schema.names)
+                    if batch.schema != schema:
+                        batch = batch.cast(schema)
+                except (KeyError, pa.ArrowInvalid) as exc:
+                    raise CorruptionError(f"{self.storage.url_of(s.path)}: unexpected "
+                                          f"schema: {exc}") from None
+                yield batch
 
+    def scan_events(self, at_lsn: int | None = None, min_lsn: int = 1, *,
+                    batch_rows: int = 65_536) -> pa.RecordBatchReader:
+        """``scan`` as a reader of ``LOG_SCHEMA`` batches of at most ``batch_rows`` rows
+        (what DuckDB and the partitioned fold consume)."""
         def batches() -> Iterator[pa.RecordBatch]:
-            for s in segs:
-                lo_i = max(0, min_lsn - s.first_lsn)
-                hi_i = min(s.rows, hi - s.first_lsn + 1)
-                yield from self._scan_segment(s, lo_i, hi_i, batch_rows)
+            for b in self.scan(at_lsn, min_lsn):
+                for start in range(0, b.num_rows, batch_rows):
+                    yield b.slice(start, batch_rows)
 
         return pa.RecordBatchReader.from_batches(ev.LOG_SCHEMA, batches())
 
-    def _scan_segment(self, s: SegmentInfo, lo: int, hi: int,
-                      batch_rows: int) -> Iterator[pa.RecordBatch]:
+    def _scan_segment(self, s: SegmentInfo) -> Iterator[tuple[int, pa.RecordBatch, bool]]:
+        """(row offset, batch, has lsn/seq columns) of one segment, checked."""
+        cached = self._tables.get(s.path)
+        if cached is not None:
+            offset = 0
+            for batch in cached.to_batches():
+                yield offset, batch, True
+                offset += batch.num_rows
+            return
         name = self.storage.url_of(s.path)
+        checked = self.__dict__.setdefault("_scan_checked", set())
+        source: Any
         if self.storage.kind == "local":
-            path = self.storage.full(s.path)
-            sha = hashlib.sha256()
+            if s.path not in checked:
+                self._check_streaming(s)
+                checked.add(s.path)
+            self.storage.calls["read"] += 1
             try:
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        sha.update(block)
-                    size = f.tell()
+                source = pa.memory_map(self.storage.full(s.path))
             except FileNotFoundError:
                 raise CorruptionError(f"{name}: listed by a manifest but missing") from None
-            if size != s.size or sha.hexdigest() != s.sha256:
-                raise CorruptionError(f"{name}: size or sha256 differs from its manifest")
-            source: Any = pa.memory_map(path)
         else:
-            source = pa.py_buffer(self._read_verified(s.path, s.size, s.sha256))
+            source = self._remote_segment(s)
         try:
             reader = pa.ipc.open_file(source)
-            at = 0
-            for i in range(reader.num_record_batches):
-                rb = reader.get_batch(i)
-                a, b = max(lo, at), min(hi, at + rb.num_rows)
-                for start in range(a, b, batch_rows):
-                    part = rb.slice(start - at, min(batch_rows, b - start))
-                    yield self._normalize(s, part, start, name)
-                at += rb.num_rows
+            n, offset = reader.num_record_batches, 0
+            for i in range(n):
+                batch = reader.get_batch(i)
+                yield offset, batch, s.has_lsn
+                offset += batch.num_rows
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorruptionError(f"{name}: not a readable Arrow IPC file: {exc}") from None
+        if offset != s.rows:
+            raise CorruptionError(f"{name}: {offset} rows, manifest says {s.rows}")
 
-    def _normalize(self, s: SegmentInfo, rb: pa.RecordBatch, start: int,
-                   name: str) -> pa.RecordBatch:
-        if not s.has_lsn:
-            n = rb.num_rows
-            first = s.first_lsn + start
-            cols = [pa.array(np.arange(first, first + n, dtype=np.int64)),
-                    pa.array(np.full(n, s.seq, dtype=np.int64)), *rb.columns]
-            rb = pa.RecordBatch.from_arrays(cols, schema=pa.schema(
-                [ev.LOG_SCHEMA.field("lsn"), ev.LOG_SCHEMA.field("seq"), *rb.schema]))
-        if rb.schema != ev.LOG_SCHEMA:
-            try:
-                rb = rb.select(ev.LOG_SCHEMA.names).cast(ev.LOG_SCHEMA)
-            except (KeyError, pa.ArrowInvalid) as exc:
-                raise CorruptionError(f"{name}: unexpected schema: {exc}") from None
-        return rb
+    def _remote_segment(self, s: SegmentInfo) -> pa.Buffer:
+        """A remote segment's checked bytes; kept while all kept stay under
+        ``SCAN_CACHE_BYTES``, so repeated scans of a small log read each segment once."""
+        cache = self.__dict__.setdefault("_scan_cache", {})
+        buf = cache.get(s.path)
+        if buf is None:
+            buf = pa.py_buffer(self._read_verified(s.path, s.size, s.sha256))
+            with self._lock:
+                if sum(b.size for b in cache.values()) + buf.size <= self.SCAN_CACHE_BYTES:
+                    cache[s.path] = buf
+        return buf
+
+    #: bytes of remote segments ``scan`` keeps between scans (the rest is read again)
+    SCAN_CACHE_BYTES = 64 << 20
+
+    def _check_streaming(self, s: SegmentInfo) -> None:
+        """Size and sha256 of a local segment, read in pieces (never held whole)."""
+        name = self.storage.url_of(s.path)
+        h, size = hashlib.sha256(), 0
+        try:
+            with open(self.storage.full(s.path), "rb") as f:
+                while piece := f.read(1 << 22):
+                    h.update(piece)
+                    size += len(piece)
+        except FileNotFoundError:
+            raise CorruptionError(f"{name}: listed by a manifest but missing") from None
+        if size != s.size or h.hexdigest() != s.sha256:
+            raise CorruptionError(f"{name}: size or sha256 differs from its manifest")
 
 
 # -- opening ---------------------------------------------------------------------------

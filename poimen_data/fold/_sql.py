@@ -1,0 +1,196 @@
+"""SQL over the materialized state plus the tail: the sources ``connect()`` serves.
+
+A view reads the parquet files the state pointer names (never a glob: other generations
+may sit beside them); the rows of the runs that later commits touched are replaced by a
+fold of those runs' events, as ``episode(source="auto")`` and the incremental materialize
+do (every fold rule looks at one run). ``events`` streams the segments on each scan.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from poimen_data.errors import CorruptionError, NotFound, ValidationError
+from poimen_data.fold._fold import (
+    PER_RUN_TABLES,
+    TABLE_KEYS,
+    VIEW_SQL,
+    new_connection,
+    register_blob_text,
+    run_events,
+)
+from poimen_data.fold._state import INDEX, Pointer, locate, usable_pointer
+from poimen_data.log._log import EventLog
+from poimen_data.model import _events as ev
+
+SOURCES = ("auto", "state", "log")
+#: Prefix of the names a state connection adds for itself (the stream, the tail schema).
+_PREFIX = "_poimen"
+#: The schema holding the tail's events and the fold's views over them.
+TAIL = f"{_PREFIX}_tail"
+
+
+class EventStream:
+    """The log's events up to an LSN as an Arrow stream (the PyCapsule protocol) that
+    DuckDB opens afresh on each scan: segments are read one at a time as DuckDB pulls
+    batches, and nothing stays in memory between queries."""
+
+    def __init__(self, log: EventLog, lsn: int) -> None:
+        self._log = log
+        self._lsn = lsn
+
+    def __arrow_c_schema__(self) -> Any:
+        return ev.LOG_SCHEMA.__arrow_c_schema__()
+
+    def __arrow_c_stream__(self, requested_schema: Any = None) -> Any:
+        reader = pa.RecordBatchReader.from_batches(ev.LOG_SCHEMA, self._log.scan(self._lsn))
+        return reader.__arrow_c_stream__(requested_schema)
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def _files_sql(log: EventLog, ptr: Pointer, table: str) -> str | None:
+    """``read_parquet([...])`` over exactly the files the pointer lists, or None. A file a
+    newer generation moved aside is read from where it went; the connection keeps these
+    paths, so it survives one concurrent publish (reconnect to see the newer state)."""
+    files = [log.storage.url_of(locate(log, f, ptr)) for f in ptr.tables.get(table, ())]
+    if not files:
+        return None
+    return f"read_parquet([{', '.join(_quote(f) for f in files)}])"
+
+
+def _load(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> None:
+    """Run ``sql`` with ``table`` as ``_poimen_arrow`` (copied into DuckDB, which may spill
+    it; nothing stays registered)."""
+    con.register(f"{_PREFIX}_arrow", table)
+    try:
+        con.execute(sql.format(arrow=f"{_PREFIX}_arrow"))
+    finally:
+        con.unregister(f"{_PREFIX}_arrow")
+
+
+def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn: int) -> None:
+    """Schema ``_poimen_tail``: the events of the runs that commits in ``(ptr.lsn, lsn]``
+    touched, from each run's first event (found through the state's run index), plus
+    those commits' reductions; the fold's views over them (DuckDB binds a view's names in
+    its own schema first); and ``touched``, the runs whose state rows they replace. The
+    views fold when a query reads them, like the log's."""
+    new = pa.Table.from_batches(list(log.scan(lsn, ptr.lsn + 1)), ev.LOG_SCHEMA)
+    con.execute(f"CREATE SCHEMA {TAIL}")
+    _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
+    touched = pc.unique(new.column("run_id").drop_null())
+    index = _files_sql(log, ptr, INDEX)
+    lo = ptr.lsn + 1
+    if len(touched) and index is None and ptr.tables.get("runs"):
+        lo = 1  # no run index: the touched runs' first events may be anywhere
+    elif len(touched) and index is not None:
+        first = con.execute(f"SELECT min(first_lsn) FROM {index} WHERE run_id IN "
+                            f"(SELECT run_id FROM {TAIL}.events)").fetchall()[0][0]
+        lo = lo if first is None else min(lo, int(first))
+    if lo <= ptr.lsn:
+        older = run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo)
+        _load(con, f"INSERT INTO {TAIL}.events SELECT * FROM {{arrow}}", older)
+    for name, sql in VIEW_SQL.items():
+        con.execute(f"CREATE VIEW {TAIL}.{name} AS {sql}")
+    con.execute(f"CREATE VIEW {TAIL}.touched AS SELECT DISTINCT run_id FROM {TAIL}.events "
+                "WHERE run_id IS NOT NULL")
+
+
+def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
+                 lsn: int) -> None:
+    """Create the views over the state's files, topped up with the tail's fold."""
+    if log.storage.kind != "local":
+        con.register_filesystem(log.storage.fs)
+    tail = ptr.lsn < lsn
+    if tail:
+        tail_views(con, log, ptr, lsn)
+    for t, sql in VIEW_SQL.items():  # in dependency order, for the empty ones
+        # A table with no file is the fold's text over no rows (DuckDB never scans for it).
+        src = _files_sql(log, ptr, t) or f"(SELECT * FROM ({sql}) WHERE false)"
+        body = f"SELECT * FROM {src}"
+        if tail:
+            if t in PER_RUN_TABLES:
+                body += f" WHERE run_id NOT IN (SELECT run_id FROM {TAIL}.touched)"
+            body += f" UNION ALL BY NAME SELECT * FROM {TAIL}.{t}"
+        con.execute(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM ({body}) "
+                    f"ORDER BY {', '.join(TABLE_KEYS[t])}")
+
+
+def _log_views(con: duckdb.DuckDBPyConnection) -> None:
+    for name, sql in VIEW_SQL.items():  # DuckDB binds a view at creation: dependencies first
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+
+
+def _connection(memory: int | str | None) -> duckdb.DuckDBPyConnection:
+    # a progress bar only on a terminal: in Jupyter DuckDB's bar needs ipywidgets
+    return new_connection(progress=sys.stderr.isatty(), memory=memory)
+
+
+def _try_state(log: EventLog, ptr: Pointer, lsn: int,
+               memory: int | str | None) -> duckdb.DuckDBPyConnection:
+    con = _connection(memory)
+    try:
+        # ``events`` is a plain view here, never the registered stream itself: a temp
+        # object would shadow the tail schema's own ``events`` in its views
+        con.register(f"{_PREFIX}_events", EventStream(log, lsn))
+        con.execute(f"CREATE VIEW events AS SELECT * FROM {_PREFIX}_events")
+        _state_views(con, log, ptr, lsn)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
+               memory: int | str | None = None) -> duckdb.DuckDBPyConnection:
+    """The connection ``fold.connect`` returns (see there)."""
+    if source not in SOURCES:
+        raise ValidationError(f"connect: source must be one of {SOURCES}, got {source!r}")
+    if at_lsn is not None and (isinstance(at_lsn, bool) or not isinstance(at_lsn, int)):
+        raise ValidationError(f"connect: at_lsn must be an int, got {at_lsn!r}")
+    head = log.head
+    lsn = head if at_lsn is None else at_lsn
+    if not 0 <= lsn <= head:
+        raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
+    con, used = None, "log"
+    for _attempt in range(2):  # a concurrent materialize may remove what we just read
+        ptr = None if source == "log" else usable_pointer(log)
+        if source == "state" and (ptr is None or ptr.lsn != lsn):
+            have = "no usable materialized state" if ptr is None else \
+                f"the materialized state covers lsn {ptr.lsn}"
+            raise NotFound(f"connect: {have}, not lsn {lsn} (run materialize, or use "
+                           "source='auto' or 'log')")
+        if ptr is None or ptr.lsn > lsn:
+            break
+        try:
+            con = _try_state(log, ptr, lsn, memory)
+        except (duckdb.IOException, CorruptionError) as exc:
+            if source == "state":
+                raise CorruptionError(f"connect: the state at lsn {ptr.lsn} is "
+                                      f"unreadable: {exc}") from None
+            continue  # read the pointer again; then serve the log
+        used = "state" if ptr.lsn == lsn else "state+log"
+        break
+    if con is None:
+        con = _connection(memory)
+    try:
+        if used == "log":
+            con.register("events", EventStream(log, lsn))
+            _log_views(con)
+        con.execute("SET VARIABLE poimen_source = ?", [used])
+        con.execute("SET VARIABLE poimen_lsn = ?", [lsn])
+        register_blob_text(con, log)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+__all__ = ["SOURCES", "TAIL", "EventStream", "open_views", "tail_views"]
