@@ -87,6 +87,11 @@ class ExportReport:
     bytes: int
     reduced: int
     sha256: str
+    #: chat formats (``jsonl``): attempts left out because no output body was captured
+    #: (still dispatched, timed out, or resolved by recovery), unless ``keep_unanswered``
+    skipped_no_output: int = 0
+    #: chat formats: attempts left out because no prompt body was captured (no user turn)
+    skipped_no_prompt: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,7 @@ def export_live(
     at_lsn: int | None = None,
     runs: Iterable[str] | None = None,
     only_succeeded: bool = False,
+    keep_unanswered: bool = False,
     batch_size: int = DEFAULT_BATCH_BYTES,
     max_workers: int = 8,
     progress: Callable[[ExportProgress], None] | None = None,
@@ -171,6 +177,10 @@ def export_live(
     after it folded again; else the log). ``ExportReport.source`` says which was used:
     ``"state"``, ``"state+log"`` or ``"log"``; the bytes are the same whichever it is.
     ``max_workers`` bounds the pool that reads bodies. Unknown ``runs`` raise ``NotFound``.
+    ``jsonl`` never writes a null message: attempts with no output body are left out
+    (``ExportReport.skipped_no_output``) unless ``keep_unanswered``, which keeps them as
+    a user turn alone; attempts with no prompt body are always left out
+    (``skipped_no_prompt``).
     """
     log = as_log(log, storage_options=storage_options)
     if format not in FORMATS:
@@ -199,7 +209,9 @@ def export_live(
         try:
             _select(con, runs, only_succeeded)
             query = _PAIRS_SQL if format == "pairs" else \
-                "SELECT * FROM export_live ORDER BY run_id, pos"
+                f"SELECT * FROM export_live {_chat_filter(format, keep_unanswered)} " \
+                "ORDER BY run_id, pos"
+            skipped = _skipped(con, format, keep_unanswered)
             total = int(con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})"
                                 ).fetchall()[0][0])
             reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
@@ -217,7 +229,26 @@ def export_live(
     finally:  # after a failure, fetches still queued are dropped, not waited for
         pool.shutdown(wait=True, cancel_futures=True)
     return ExportReport(out.url, format, used, lsn, stats[0], stats[1], out.bytes,
-                        stats[2], out.sha256)
+                        stats[2], out.sha256, *skipped)
+
+
+def _chat_filter(format: str, keep_unanswered: bool) -> str:
+    """The chat format needs a user turn, and an assistant turn unless ``keep_unanswered``:
+    a null message would train a model to stop at once."""
+    if format != "jsonl":
+        return ""
+    return "WHERE prompt_ref IS NOT NULL" + ("" if keep_unanswered
+                                             else " AND output_ref IS NOT NULL")
+
+
+def _skipped(con: Any, format: str, keep_unanswered: bool) -> tuple[int, int]:
+    """(no output, no prompt) attempts the chat filter leaves out."""
+    if format != "jsonl":
+        return 0, 0
+    no_out, no_prompt = con.execute(
+        "SELECT count(*) FILTER (prompt_ref IS NOT NULL AND output_ref IS NULL), "
+        "count(*) FILTER (prompt_ref IS NULL) FROM export_live").fetchall()[0]
+    return (0 if keep_unanswered else int(no_out)), int(no_prompt)
 
 
 def _connect(log: EventLog, source: str, lsn: int,

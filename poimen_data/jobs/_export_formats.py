@@ -173,7 +173,9 @@ def _text_array(bodies: Sequence[bytes | None]) -> pa.Array:
 
 
 class JsonlWriter:
-    """Chat records: the prompt is the user turn, the output the assistant turn."""
+    """Chat records: the prompt is the user turn, the output the assistant turn. The rows
+    never lack a prompt, and lack an output only when the caller kept unanswered attempts:
+    those get no assistant turn (never a null one)."""
 
     slots = ("prompt", "output")
 
@@ -193,18 +195,21 @@ class JsonlWriter:
             meta["output_reduced"] = output_reduced
             meta["export_lsn"] = self.export_lsn
             if _small(prompt, output):  # the common case: one call, one write
-                w(orjson.dumps({"messages": [
-                    {"content": _text(prompt), "role": "user"},
-                    {"content": _text(output), "role": "assistant"}], "metadata": meta},
-                    option=_LINE))
+                messages = [{"content": _text(prompt), "role": "user"}]
+                if output is not None:
+                    messages.append({"content": _text(output), "role": "assistant"})
+                w(orjson.dumps({"messages": messages, "metadata": meta}, option=_LINE))
                 continue
             w(b'{"messages":[{"content":')
             _write_json_text(w, _text(prompt))
             del prompt
-            w(b',"role":"user"},{"content":')
-            _write_json_text(w, _text(output))
-            del output
-            w(b',"role":"assistant"}],"metadata":')
+            if output is not None:
+                w(b',"role":"user"},{"content":')
+                _write_json_text(w, _text(output))
+                del output
+                w(b',"role":"assistant"}],"metadata":')
+            else:
+                w(b',"role":"user"}],"metadata":')
             w(_dumps(meta))
             w(b"}\n")
 
