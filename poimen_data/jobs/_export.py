@@ -62,11 +62,14 @@ import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
 from poimen_data.fold import _fold, _state
+from poimen_data.jobs._atif import AtifWriter
 from poimen_data.jobs._export_formats import SLOTS, VERDICT_TYPE, WRITERS, Bodies, Sink
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import BlobRef
 
-FORMATS = tuple(WRITERS)
+_WRITERS: dict[str, Callable[..., Any]] = {**WRITERS, "atif": AtifWriter}
+_SLOTS: dict[str, tuple[str, ...]] = {**SLOTS, "atif": AtifWriter.slots}
+FORMATS = tuple(_WRITERS)
 SOURCES = ("auto", "state", "log")
 DEFAULT_BATCH_BYTES = 64 << 20
 MAX_BATCH_ROWS = 8192
@@ -117,7 +120,7 @@ WITH red AS (
     GROUP BY v.run_id
 )
 SELECT t.run_id, t.tenant, t.branch_id, t.step_id, t.step_index, t.attempt_no, t.state,
-       t.workflow_version, t.usage,
+       t.workflow_version, t.usage, t.tools, t.error, t.trajectory_branch_id AS live_branch,
        coalesce(rp.summary, t.prompt) AS prompt_ref, rp.summary IS NOT NULL AS prompt_reduced,
        coalesce(ro.summary, t.output) AS output_ref, ro.summary IS NOT NULL AS output_reduced,
        coalesce(vd.verdicts, []::{verdict_type}[]) AS verdicts,
@@ -221,8 +224,8 @@ def export_live(
                     progress(ExportProgress(runs_done, total, records, out.bytes))
 
             with Sink(os.fspath(dest), dest_options) as out:
-                writer = WRITERS[format](out, lsn)
-                stats = _pump(reader, writer, fetcher, SLOTS[format], batch_size, report)
+                writer = _WRITERS[format](out, lsn)
+                stats = _pump(reader, writer, fetcher, _SLOTS[format], batch_size, report)
                 writer.close()
         finally:
             con.close()
