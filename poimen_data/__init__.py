@@ -19,6 +19,7 @@ from poimen_data.errors import (
 from poimen_data.fold._fold import connect
 from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, check, episode
 from poimen_data.fold._state import materialize
+from poimen_data.jobs._atif import ImportReport, import_atif
 from poimen_data.jobs._export import ExportProgress, ExportReport, export_live
 from poimen_data.jobs._grade import GradeReport, Verdict, VerifierCtx, grade
 from poimen_data.jobs._maint import compact, reduce, vacuum
@@ -41,6 +42,7 @@ __all__ = [
     "ExportReport",
     "FsBlobStore",
     "GradeReport",
+    "ImportReport",
     "LeaseHeld",
     "NotFound",
     "PoimenError",
@@ -57,6 +59,7 @@ __all__ = [
     "episode",
     "export_live",
     "grade",
+    "import_atif",
     "materialize",
     "open_log",
     "reduce",

@@ -426,6 +426,31 @@ def export(fmt: Annotated[str, typer.Option("--format",
                       "first)")
 
 
+import_app = typer.Typer(name="import", no_args_is_help=True,
+                         help="Record trajectories from other tools as runs.")
+app.add_typer(import_app)
+
+
+@import_app.command("atif", epilog="[bold]Example:[/]  poimen import atif session.json")
+@_guarded
+def import_atif(paths: Annotated[list[str], typer.Argument(
+                    help="ATIF files: one trajectory per JSON file, or JSON lines.")],
+                tenant: Annotated[str, typer.Option(help="Tenant of the new runs.")]
+                = "default",
+                root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Record ATIF trajectories as runs: an attempt per agent turn, bodies in the blob
+    store, metrics as usage. Importing the same trajectory twice adds nothing; a bad file
+    imports nothing and names the file and the step."""
+    log = open_root(root)
+    r = pdm.import_atif(log, paths, tenant=tenant)
+    if as_json:
+        emit_json(r)
+    else:
+        out.print(f"imported {len(r.runs)} runs ({r.attempts} attempts), "
+                  f"{len(r.skipped)} already in the log"
+                  + (f", head LSN {r.lsn}" if r.lsn is not None else ""))
+
+
 # --- maintenance -----------------------------------------------------------------------
 
 

@@ -130,7 +130,7 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs", "atif"])
 def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     log, _ = rich_log(str(tmp_path / "log"))
     assert materialize(log) == log.head
@@ -141,7 +141,8 @@ def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     assert (a.source, b.source) == ("state", "log")
     assert a.export_lsn == b.export_lsn == log.head
     assert a.bytes == b.bytes == (tmp_path / "state.out").stat().st_size
-    records, reduced = {"jsonl": (9, 2), "parquet": (10, 2), "pairs": (3, 1)}[fmt]
+    records, reduced = {"jsonl": (9, 2), "parquet": (10, 2), "pairs": (3, 1),
+                        "atif": (10, 2)}[fmt]
     assert (a.records, a.runs, a.reduced) == (records, 3 if fmt != "pairs" else 2, reduced)
     assert (b.records, b.runs, b.reduced) == (a.records, a.runs, a.reduced)
     # a smaller batch budget cuts other batches (and row groups) but the same records
@@ -151,7 +152,7 @@ def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
         assert sha(tmp_path / "small.out") == sha(tmp_path / "state.out")
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs", "atif"])
 def test_auto_serves_an_older_state_and_refolds_only_what_changed(tmp_path: Path,
                                                                   fmt: str) -> None:
     log, _ = rich_log(str(tmp_path / "log"))
@@ -197,7 +198,7 @@ def test_bodies_read_ahead_while_folding_change_no_byte(tmp_path: Path) -> None:
     local, _ = rich_log(str(tmp_path / "log"))
     remote, _ = rich_log(f"memory://export-{uuid.uuid4().hex}")
     assert remote.storage.kind == "memory"
-    for fmt in ("jsonl", "parquet"):
+    for fmt in ("jsonl", "parquet", "atif"):
         for budget, runs in ((64 << 20, None), (64, None), (1, None), (64 << 20, ["r-c"])):
             a = export_live(local, tmp_path / "a.out", format=fmt, batch_size=budget,
                             runs=runs, source="log")
