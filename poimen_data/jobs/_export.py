@@ -1,6 +1,6 @@
 """Export for the learning loop (DESIGN section 7): the live-branch trajectory of every
-run as training data, at one fixed LSN, as chat ``jsonl``, flat ``parquet`` or
-preference ``pairs``.
+run as training data, at one fixed LSN, as chat ``jsonl``, flat ``parquet``,
+preference ``pairs`` or ATIF trajectories (``atif``, mapped in ``_atif``).
 
 The bytes are a pure function of the log at that LSN, so a materialized state and a cold
 re-fold give files with the same sha256: rows come from one SQL query over the fold's
@@ -27,9 +27,11 @@ Rules a consumer must know:
   run that is simply ``(step_index, attempt_no)``). Failed,
   timed-out, cancelled and still-dispatched attempts are kept with their ``state``
   unless ``only_succeeded``.
-- Bodies are decoded as UTF-8 (invalid bytes become U+FFFD). An attempt with no body
-  (no prompt ref, or no output yet) exports ``null``, never ``""``: "nothing captured"
-  stays distinct from "captured empty", and chat loaders accept a null assistant turn.
+- Bodies are decoded as UTF-8 (invalid bytes become U+FFFD). In ``parquet`` an attempt
+  with no body (no prompt ref, or no output yet) exports ``null``, never ``""``: "nothing
+  captured" stays distinct from "captured empty". ``jsonl`` leaves such attempts out
+  (counted in the report; ``keep_unanswered`` keeps those with a prompt as a user turn
+  alone): a null assistant turn becomes an empty one in chat templates.
 - A reduced body exports its summary text with ``prompt_reduced``/``output_reduced``
   true. The summary is found in the ``reductions`` view at the export LSN; a body reduced
   after that LSN (its original is gone) exports the summary of its latest reduction.
