@@ -225,6 +225,27 @@ def test_export_only_succeeded(tmp_path: Path) -> None:
         1, "error: export: only_succeeded leaves no failed attempt to pair\n")
 
 
+def test_export_keep_unanswered(tmp_path: Path) -> None:
+    root = str(tmp_path / "x")
+    synth.generate(root, runs=8, seed=1, batch=1)
+    log = pdm.open_log(root, create=False)
+    chat = pdm.export_live(log, str(tmp_path / "chat.jsonl"))
+    kept = pdm.export_live(log, str(tmp_path / "kept.jsonl"), keep_unanswered=True)
+    assert chat.skipped_no_output > 0 and kept.skipped_no_output == 0
+    assert kept.records == chat.records + chat.skipped_no_output
+    dest = str(tmp_path / "out.jsonl")
+    r = poimen("export", "--out", dest, "--root", root)
+    assert r.exit_code == 0
+    assert r.stdout.splitlines()[1] == (
+        f"left out {chat.skipped_no_output} attempts with no output and 0 with no prompt "
+        "(--keep-unanswered keeps the first)")
+    r = poimen("export", "--keep-unanswered", "--out", dest, "--root", root)
+    assert (r.exit_code, len(r.stdout.splitlines())) == (0, 1)
+    assert Path(dest).read_bytes() == (tmp_path / "kept.jsonl").read_bytes()
+    for line in Path(dest).read_text().splitlines():
+        assert all(m["content"] is not None for m in json.loads(line)["messages"])
+
+
 def test_maintenance_commands(tmp_path: Path) -> None:
     root = str(tmp_path / "m")
     s = synth.generate(root, runs=12, seed=2, batch=1)
