@@ -110,7 +110,10 @@ def spec_read(root: str) -> pa.Table:
         data = _checked_file(root, s["path"], s["size"], s["sha256"])
         t = pa.ipc.open_file(pa.py_buffer(data)).read_all()
         assert t.num_rows == s["rows"]
-        if not s["has_lsn"]:
+        if s["has_lsn"]:  # the entry's first_lsn and seq are its first row's
+            assert (t.column("lsn")[0].as_py(), t.column("seq")[0].as_py()) == (
+                s["first_lsn"], s["seq"])
+        else:
             n = t.num_rows
             t = t.add_column(0, pa.field("seq", pa.int64(), nullable=False),
                              pa.array([s["seq"]] * n, pa.int64()))
