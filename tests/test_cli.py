@@ -138,7 +138,7 @@ def test_show_an_episode_with_forks(demo_root) -> None:
     (["grade", "-v", "poimen_data.verifiers:nope"],
      "error: --verifier 'poimen_data.verifiers:nope': poimen_data.verifiers has no nope"),
     (["export", "--format", "xml", "--out", "x.xml"],
-     "error: export: format must be one of ('jsonl', 'parquet', 'pairs'), got 'xml'"),
+     "error: export: format must be one of ('jsonl', 'parquet', 'pairs', 'atif'), got 'xml'"),
     (["reduce"], "error: say what to reduce: --larger-than BYTES or --ref TENANT/SHA256/SIZE"),
     (["reduce", "--ref", "acme/abc"], "error: --ref 'acme/abc' must be TENANT/SHA256/SIZE"),
     (["sql", "select 1", "--at-lsn", "999999999"], "error: at_lsn 999999999 is outside 0.."),
