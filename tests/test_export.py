@@ -268,6 +268,8 @@ def test_live_trajectory_of_a_run_rewound_twice(tmp_path: Path) -> None:
     assert [m["metadata"]["run_id"] for m in every] == ["r-a"] * 6 + ["r-b"] + ["r-c"] * 2
     assert all(msg["content"] is not None for m in every for msg in m["messages"])
     assert every[6]["messages"][1] == {"role": "assistant", "content": UNICODE}
+    with pytest.raises(pdm.ValidationError, match="keep_unanswered applies to the jsonl"):
+        export_live(log, tmp_path / "x.parquet", format="parquet", keep_unanswered=True)
     kept = export_live(log, tmp_path / "kept.jsonl", keep_unanswered=True)
     assert (kept.records, kept.skipped_no_output) == (10, 0)
     b = lines(tmp_path / "kept.jsonl")[6:8]

@@ -192,6 +192,9 @@ def export_live(
         raise ValidationError(f"export: format must be one of {FORMATS}, got {format!r}")
     if source not in SOURCES:
         raise ValidationError(f"export: source must be one of {SOURCES}, got {source!r}")
+    if keep_unanswered and format != "jsonl":
+        raise ValidationError(f"export: keep_unanswered applies to the jsonl chat format, "
+                              f"not {format!r} (which keeps every attempt)")
     if format == "pairs" and only_succeeded:
         raise ValidationError("export: only_succeeded leaves no failed attempt to pair")
     if type(batch_size) is not int or batch_size < 1:
