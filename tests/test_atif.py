@@ -203,6 +203,12 @@ def test_bad_file_names_file_and_step_and_imports_nothing(tmp_path: Path) -> Non
                                                "message": "hi"}]}))
     with pytest.raises(pdm.ValidationError, match="user_only.json: no agent step"):
         pdm.import_atif(log, [no_agent])
+    negative = json.loads(FIXTURE.read_text())
+    negative["steps"][5]["metrics"]["completion_tokens"] = -3
+    (tmp_path / "negative.json").write_text(json.dumps(negative))
+    with pytest.raises(pdm.ValidationError, match=r"negative\.json: step 6 \(step_id 6\) "
+                                                  r"metrics .*output_tokens"):
+        pdm.import_atif(log, [FIXTURE, tmp_path / "negative.json"])
     assert log.head == 0
 
 

@@ -242,6 +242,12 @@ def _validate(where: str, doc: Any) -> dict[str, Any]:
     out: dict[str, Any] = model.to_json_dict(exclude_none=True)
     if not any(s["source"] == "agent" for s in out["steps"]):
         raise ValidationError(f"{where}: no agent step, nothing to record as an attempt")
+    for j, s in enumerate(out["steps"]):  # metrics poimen cannot record fail here, not later
+        if s["source"] == "agent":
+            at = f"{where}: step {j + 1} (step_id {s['step_id']}) metrics"
+            usage = _usage(at, s.get("metrics"))
+            ev.validate_event(ev.AttemptFinished("t", "r", 0, "s", 1, "succeeded",
+                                                 usage=usage), at)
     return out
 
 
