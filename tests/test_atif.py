@@ -15,6 +15,7 @@ from typing import Any
 
 import atif
 import pytest
+from test_export import rich_log
 
 import poimen_data as pdm
 from poimen_data import events as ev
@@ -96,6 +97,26 @@ def test_export_maps_attempts_to_steps_with_identity_in_extra(tmp_path: Path) ->
         "total_prompt_tokens": 100, "total_completion_tokens": 20, "total_cached_tokens": 60,
         "total_cost_usd": 0.500123456, "extra": {"total_cost_usd": "0.500123456"},
         "total_steps": 6}
+
+
+def test_every_trajectory_of_a_rich_log_validates(tmp_path: Path) -> None:
+    """Forks of forks, a cancelled run's dispatched attempt, invalid UTF-8, reduced bodies,
+    large unicode bodies: each run one valid trajectory, an agent step per attempt."""
+    log, _ = rich_log(str(tmp_path / "log"))
+    rep = pdm.export_live(log, tmp_path / "all.jsonl", format="atif", batch_size=64)
+    docs = trajectories(tmp_path / "all.jsonl")
+    assert [d["session_id"] for d in docs] == ["r-a", "r-b", "r-c"]
+    agents = [[s for s in d["steps"] if s["source"] == "agent"] for d in docs]
+    assert [len(a) for a in agents] == [6, 2, 2] and rep.records == 10
+    assert [s["extra"]["poimen"]["branch_id"] for s in agents[0]] == [0, 1, 1, 2, 2, 2]
+    assert agents[1][1]["extra"]["poimen"]["state"] == "dispatched"
+    assert agents[1][1]["message"] == ""
+    assert agents[2][0]["message"] == "half an answ\ufffd"
+    users = [s["message"] for s in docs[2]["steps"] if s["source"] == "user"]
+    assert users == ["summary: a long question"] * 2
+    assert [s["extra"]["poimen"]["prompt_reduced"] for s in agents[2]] == [True, True]
+    assert _sha(tmp_path / "all.jsonl") == pdm.export_live(
+        log, tmp_path / "again.jsonl", format="atif", source="log").sha256
 
 
 def _sha(p: Path) -> str:
