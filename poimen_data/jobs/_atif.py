@@ -24,7 +24,7 @@ import orjson
 import pyarrow as pa
 
 from poimen_data.errors import ValidationError
-from poimen_data.jobs._export_formats import Bodies, _cost, _text, _verdicts
+from poimen_data.jobs._export_formats import Bodies, body_text, cost_text, verdict_records
 from poimen_data.log._log import LogLike, as_log
 from poimen_data.model import _events as ev
 
@@ -57,7 +57,7 @@ def _metrics(usage: dict[str, Any] | None, base: dict[str, Any] | None) -> dict[
             out[k] = v
     if u.get("cost_usd") is not None:
         out["cost_usd"] = float(u["cost_usd"])
-        extra["cost_usd"] = _cost(u["cost_usd"])
+        extra["cost_usd"] = cost_text(u["cost_usd"])
     for k in ("reasoning_tokens", "latency_ms"):
         if u.get(k) is not None:
             extra[k] = u[k]
@@ -109,12 +109,12 @@ class AtifWriter:
                              default=-1)
             self._steps.extend(dict(s) for s in steps[last_agent + 1:])
         elif prompt is not None:
-            self._steps.append({"source": "user", "message": _text(prompt)})
+            self._steps.append({"source": "user", "message": body_text(prompt)})
         got = _loads_tagged(output, _AGENT_STEP) if not output_reduced else None
         step: dict[str, Any] = dict(got["step"]) if got and isinstance(got.get("step"),
                                                                        dict) else {}
         if not step:
-            step["message"] = _text(output) if output is not None else ""
+            step["message"] = body_text(output) if output is not None else ""
             calls = (row["tools"] or {}).get("calls") or []
             if calls:
                 step["tool_calls"] = [
@@ -146,7 +146,7 @@ class AtifWriter:
         extra["poimen"] = {
             "run_id": run["run_id"], "tenant": run["tenant"],
             "live_branch": run["live_branch"], "workflow_version": run["workflow_version"],
-            "verdicts": _verdicts(run["verdicts"]), "export_lsn": self.export_lsn}
+            "verdicts": verdict_records(run["verdicts"]), "export_lsn": self.export_lsn}
         agent = header.get("agent") or {"name": AGENT_NAME,
                                         "version": run["workflow_version"] or "unknown"}
         doc = _drop_none({
@@ -181,7 +181,7 @@ def _final_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
             has_cost = True
     if has_cost:  # summed exactly, then one float
         tot["total_cost_usd"] = float(cost)
-        tot["extra"] = {"total_cost_usd": _cost(cost)}
+        tot["extra"] = {"total_cost_usd": cost_text(cost)}
     tot["total_steps"] = len(steps)
     return tot
 
