@@ -262,3 +262,17 @@ def test_readme_event_schema_table_equals_code() -> None:
     want = [f"| `{f.name}` | `{f.type}` | {'yes' if f.nullable else 'no'} |"
             for f in E.EVENT_SCHEMA]
     assert rows == want
+
+
+def test_readme_event_kinds_table_equals_code() -> None:
+    from poimen_data.model._events import KIND_COLUMNS, KINDS
+
+    block = re.search(r"<!-- event-kinds:start -->\n(.*?)<!-- event-kinds:end -->",
+                      README.read_text(), flags=re.S)
+    assert block is not None
+    rows = [line for line in block.group(1).splitlines() if line.startswith("| `")]
+    want = []
+    for k in KINDS:
+        cols = [c for c in E.EVENT_SCHEMA.names if c in KIND_COLUMNS[k] and c != "tenant"]
+        want.append(f"| `{k}` | {', '.join(f'`{c}`' for c in cols)} |")
+    assert rows == want
