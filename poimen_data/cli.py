@@ -474,7 +474,8 @@ def grade(verifier: Annotated[list[str] | None, typer.Option(
 
 
 @command("export", "poimen export --format jsonl --out ./live.jsonl")
-def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | pairs")]
+def export(fmt: Annotated[str, typer.Option("--format",
+                                            help="jsonl | parquet | pairs | atif")]
            = "jsonl",
            dest: Annotated[str, typer.Option("--out", help="Destination file (path or URL).")]
            = "./live.jsonl",
@@ -484,6 +485,9 @@ def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | 
            only_succeeded: Annotated[bool, typer.Option(
                "--only-succeeded", help="Drop failed, timed-out and cancelled attempts.")]
            = False,
+           keep_unanswered: Annotated[bool, typer.Option(
+               "--keep-unanswered",
+               help="jsonl: keep attempts with no output as a user turn alone.")] = False,
            at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Export the live-branch trajectory of every run (failed attempts kept) for training."""
     from rich.filesize import decimal
@@ -496,7 +500,7 @@ def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | 
                   transient=True, disable=as_json or not err.is_terminal) as p:
         task = p.add_task("exporting", total=None, written=decimal(0))
         r = pdm.export_live(log, dest, format=fmt, source=source, at_lsn=at_lsn, runs=run or None,
-               only_succeeded=only_succeeded,
+               only_succeeded=only_succeeded, keep_unanswered=keep_unanswered,
                progress=lambda pr: p.update(task, completed=pr.runs_done, total=pr.runs_total,
                                             written=decimal(pr.bytes)))
     if as_json:
@@ -504,6 +508,35 @@ def export(fmt: Annotated[str, typer.Option("--format", help="jsonl | parquet | 
     else:
         out.print(f"wrote {r.path}: {r.records} records of {r.runs} runs, {r.bytes:,} bytes, "
                   f"{r.format} from {r.source} at LSN {r.export_lsn}, sha256 {r.sha256}")
+        if r.skipped_no_output or r.skipped_no_prompt:
+            out.print(f"left out {r.skipped_no_output} attempts with no output and "
+                      f"{r.skipped_no_prompt} with no prompt (--keep-unanswered keeps the "
+                      "first)")
+
+
+import_app = typer.Typer(name="import", no_args_is_help=True,
+                         help="Record trajectories from other tools as runs.")
+app.add_typer(import_app)
+
+
+@import_app.command("atif", epilog="[bold]Example:[/]  poimen import atif session.json")
+@_guarded
+def import_atif(paths: Annotated[list[str], typer.Argument(
+                    help="ATIF files: one trajectory per JSON file, or JSON lines.")],
+                tenant: Annotated[str, typer.Option(help="Tenant of the new runs.")]
+                = "default",
+                root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
+    """Record ATIF trajectories as runs: an attempt per agent turn, bodies in the blob
+    store, metrics as usage. Importing the same trajectory twice adds nothing; a bad file
+    imports nothing and names the file and the step."""
+    log = open_root(root)
+    r = pdm.import_atif(log, paths, tenant=tenant)
+    if as_json:
+        emit_json(r)
+    else:
+        out.print(f"imported {len(r.runs)} runs ({r.attempts} attempts), "
+                  f"{len(r.skipped)} already in the log"
+                  + (f", head LSN {r.lsn}" if r.lsn is not None else ""))
 
 
 # --- maintenance -----------------------------------------------------------------------

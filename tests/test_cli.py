@@ -138,7 +138,7 @@ def test_show_an_episode_with_forks(demo_root) -> None:
     (["grade", "-v", "poimen_data.verifiers:nope"],
      "error: --verifier 'poimen_data.verifiers:nope': poimen_data.verifiers has no nope"),
     (["export", "--format", "xml", "--out", "x.xml"],
-     "error: export: format must be one of ('jsonl', 'parquet', 'pairs'), got 'xml'"),
+     "error: export: format must be one of ('jsonl', 'parquet', 'pairs', 'atif'), got 'xml'"),
     (["reduce"], "error: say what to reduce: --larger-than BYTES or --ref TENANT/SHA256/SIZE"),
     (["reduce", "--ref", "acme/abc"], "error: --ref 'acme/abc' must be TENANT/SHA256/SIZE"),
     (["sql", "select 1", "--at-lsn", "999999999"], "error: at_lsn 999999999 is outside 0.."),
@@ -231,6 +231,27 @@ def test_export_only_succeeded(tmp_path: Path) -> None:
                "--root", root)
     assert (r.exit_code, r.stderr) == (
         1, "error: export: only_succeeded leaves no failed attempt to pair\n")
+
+
+def test_export_keep_unanswered(tmp_path: Path) -> None:
+    root = str(tmp_path / "x")
+    synth.generate(root, runs=8, seed=1, batch=1)
+    log = pdm.open_log(root, create=False)
+    chat = pdm.export_live(log, str(tmp_path / "chat.jsonl"))
+    kept = pdm.export_live(log, str(tmp_path / "kept.jsonl"), keep_unanswered=True)
+    assert chat.skipped_no_output > 0 and kept.skipped_no_output == 0
+    assert kept.records == chat.records + chat.skipped_no_output
+    dest = str(tmp_path / "out.jsonl")
+    r = poimen("export", "--out", dest, "--root", root)
+    assert r.exit_code == 0
+    assert r.stdout.splitlines()[1] == (
+        f"left out {chat.skipped_no_output} attempts with no output and 0 with no prompt "
+        "(--keep-unanswered keeps the first)")
+    r = poimen("export", "--keep-unanswered", "--out", dest, "--root", root)
+    assert (r.exit_code, len(r.stdout.splitlines())) == (0, 1)
+    assert Path(dest).read_bytes() == (tmp_path / "kept.jsonl").read_bytes()
+    for line in Path(dest).read_text().splitlines():
+        assert all(m["content"] is not None for m in json.loads(line)["messages"])
 
 
 def test_maintenance_commands(tmp_path: Path) -> None:

@@ -130,7 +130,7 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs", "atif"])
 def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     log, _ = rich_log(str(tmp_path / "log"))
     assert materialize(log).lsn == log.head
@@ -141,7 +141,8 @@ def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
     assert (a.source, b.source) == ("state", "log")
     assert a.export_lsn == b.export_lsn == log.head
     assert a.bytes == b.bytes == (tmp_path / "state.out").stat().st_size
-    records, reduced = {"jsonl": (10, 2), "parquet": (10, 2), "pairs": (3, 1)}[fmt]
+    records, reduced = {"jsonl": (9, 2), "parquet": (10, 2), "pairs": (3, 1),
+                        "atif": (10, 2)}[fmt]
     assert (a.records, a.runs, a.reduced) == (records, 3 if fmt != "pairs" else 2, reduced)
     assert (b.records, b.runs, b.reduced) == (a.records, a.runs, a.reduced)
     # a smaller batch budget cuts other batches (and row groups) but the same records
@@ -151,7 +152,7 @@ def test_state_and_refold_give_the_same_bytes(tmp_path: Path, fmt: str) -> None:
         assert sha(tmp_path / "small.out") == sha(tmp_path / "state.out")
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "pairs", "atif"])
 def test_auto_serves_an_older_state_and_refolds_only_what_changed(tmp_path: Path,
                                                                   fmt: str) -> None:
     log, _ = rich_log(str(tmp_path / "log"))
@@ -197,7 +198,7 @@ def test_bodies_read_ahead_while_folding_change_no_byte(tmp_path: Path) -> None:
     local, _ = rich_log(str(tmp_path / "log"))
     remote, _ = rich_log(f"memory://export-{uuid.uuid4().hex}")
     assert remote.storage.kind == "memory"
-    for fmt in ("jsonl", "parquet"):
+    for fmt in ("jsonl", "parquet", "atif"):
         for budget, runs in ((64 << 20, None), (64, None), (1, None), (64 << 20, ["r-c"])):
             a = export_live(local, tmp_path / "a.out", format=fmt, batch_size=budget,
                             runs=runs, source="log")
@@ -259,17 +260,24 @@ def test_live_trajectory_of_a_run_rewound_twice(tmp_path: Path) -> None:
              p["metadata"]["chosen_branch_id"], p["metadata"]["chosen_attempt_no"])
             for p in got_pairs] == [(1, 1, 1, 2), (2, 1, 2, 2)]
 
-    # the whole log: runs by run_id, the cancel's dispatched attempt kept with a null
-    # output, the reduced prompt exported as its summary and flagged
-    export_live(log, tmp_path / "all.jsonl")
+    # the whole log: runs by run_id, the cancel's dispatched attempt (no output) left out
+    # of the chat and counted, the reduced prompt exported as its summary and flagged
+    rep = export_live(log, tmp_path / "all.jsonl")
     every = lines(tmp_path / "all.jsonl")
-    assert [m["metadata"]["run_id"] for m in every] == ["r-a"] * 6 + ["r-b"] * 2 + ["r-c"] * 2
-    b = every[6:8]
+    assert (rep.records, rep.skipped_no_output, rep.skipped_no_prompt) == (9, 1, 0)
+    assert [m["metadata"]["run_id"] for m in every] == ["r-a"] * 6 + ["r-b"] + ["r-c"] * 2
+    assert all(msg["content"] is not None for m in every for msg in m["messages"])
+    assert every[6]["messages"][1] == {"role": "assistant", "content": UNICODE}
+    with pytest.raises(pdm.ValidationError, match="keep_unanswered applies to the jsonl"):
+        export_live(log, tmp_path / "x.parquet", format="parquet", keep_unanswered=True)
+    kept = export_live(log, tmp_path / "kept.jsonl", keep_unanswered=True)
+    assert (kept.records, kept.skipped_no_output) == (10, 0)
+    b = lines(tmp_path / "kept.jsonl")[6:8]
     assert [(m["metadata"]["step_id"], m["metadata"]["state"]) for m in b] == [
         ("plan", "succeeded"), ("code", "dispatched")]
-    assert b[0]["messages"][1] == {"role": "assistant", "content": UNICODE}
-    assert b[1]["messages"][1] == {"role": "assistant", "content": None}
-    c = every[8:]
+    assert b[1]["messages"] == [{"role": "user", "content": text("prompt", "r-b", 0, "code",
+                                                                   1)}]
+    c = every[7:]
     assert [m["messages"][0]["content"] for m in c] == ["summary: a long question"] * 2
     assert [(m["metadata"]["prompt_reduced"], m["metadata"]["output_reduced"])
             for m in c] == [(True, False), (True, False)]
@@ -289,10 +297,11 @@ def test_parquet_loads_in_pyarrow_polars_duckdb_and_datasets(tmp_path: Path) -> 
     log, _ = rich_log(str(tmp_path / "log"))
     path = tmp_path / "live.parquet"
     rep = export_live(log, path, format="parquet")
-    export_live(log, tmp_path / "live.jsonl")
+    export_live(log, tmp_path / "live.jsonl", keep_unanswered=True)
     chat = lines(tmp_path / "live.jsonl")
     expect_prompts = [m["messages"][0]["content"] for m in chat]
-    expect_outputs = [m["messages"][1]["content"] for m in chat]
+    expect_outputs = [m["messages"][1]["content"] if len(m["messages"]) > 1 else None
+                      for m in chat]
 
     t = pq.read_table(path)
     df = pl.read_parquet(path)

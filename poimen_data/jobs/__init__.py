@@ -7,6 +7,7 @@ Imports every layer below it (``model``, ``storage``, ``log``, ``fold``).
 
 from __future__ import annotations
 
+from poimen_data.jobs._atif import ImportReport, import_atif
 from poimen_data.jobs._export import ExportProgress, ExportReport, export_live
 from poimen_data.jobs._grade import grade
 from poimen_data.jobs._grade_types import (
@@ -32,6 +33,7 @@ __all__ = [
     "ExportReport",
     "GradeFailure",
     "GradeReport",
+    "ImportReport",
     "ReduceReport",
     "VacuumReport",
     "Verdict",
@@ -41,6 +43,7 @@ __all__ = [
     "compact",
     "export_live",
     "grade",
+    "import_atif",
     "reduce",
     "vacuum",
 ]

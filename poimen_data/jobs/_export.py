@@ -1,6 +1,6 @@
 """Export for the learning loop (docs/DESIGN.md, "Export"): the live-branch trajectory of every
-run as training data, at one fixed LSN, as chat ``jsonl``, flat ``parquet`` or
-preference ``pairs``.
+run as training data, at one fixed LSN, as chat ``jsonl``, flat ``parquet``, preference
+``pairs`` or ATIF trajectories (``atif``, mapped in ``_atif``).
 
 The bytes are a pure function of the log at that LSN, so a materialized state and a cold
 re-fold give files with the same sha256: rows come from one SQL query over the fold's
@@ -27,9 +27,11 @@ Rules a consumer must know:
   run that is simply ``(step_index, attempt_no)``). Failed,
   timed-out, cancelled and still-dispatched attempts are kept with their ``state``
   unless ``only_succeeded``.
-- Bodies are decoded as UTF-8 (invalid bytes become U+FFFD). An attempt with no body
-  (no prompt ref, or no output yet) exports ``null``, never ``""``: "nothing captured"
-  stays distinct from "captured empty", and chat loaders accept a null assistant turn.
+- Bodies are decoded as UTF-8 (invalid bytes become U+FFFD). In ``parquet`` an attempt
+  with no body (no prompt ref, or no output yet) exports ``null``, never ``""``: "nothing
+  captured" stays distinct from "captured empty". ``jsonl`` leaves such attempts out
+  (counted in the report; ``keep_unanswered`` keeps those with a prompt as a user turn
+  alone): a null assistant turn becomes an empty one in chat templates.
 - A reduced body exports its summary text with ``prompt_reduced``/``output_reduced``
   true. The summary is found in the ``reductions`` view at the export LSN; a body reduced
   after that LSN (its original is gone) exports the summary of its latest reduction.
@@ -65,11 +67,14 @@ import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
 from poimen_data.fold import _fold, _state
+from poimen_data.jobs._atif import AtifWriter
 from poimen_data.jobs._export_formats import SLOTS, VERDICT_TYPE, WRITERS, Bodies, Sink
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import BlobRef
 
-FORMATS = tuple(WRITERS)
+_WRITERS: dict[str, Callable[..., Any]] = {**WRITERS, "atif": AtifWriter}
+_SLOTS: dict[str, tuple[str, ...]] = {**SLOTS, "atif": AtifWriter.slots}
+FORMATS = tuple(_WRITERS)
 SOURCES = ("auto", "state", "log")
 DEFAULT_BATCH_BYTES = 64 << 20
 MAX_BATCH_ROWS = 8192
@@ -90,6 +95,11 @@ class ExportReport:
     bytes: int
     reduced: int
     sha256: str
+    #: chat formats (``jsonl``): attempts left out because no output body was captured
+    #: (still dispatched, timed out, or resolved by recovery), unless ``keep_unanswered``
+    skipped_no_output: int = 0
+    #: chat formats: attempts left out because no prompt body was captured (no user turn)
+    skipped_no_prompt: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,7 +133,7 @@ WITH red AS (
     GROUP BY v.run_id, v.branch_id, v.step_id, v.attempt_no
 )
 SELECT t.run_id, t.tenant, t.branch_id, t.step_id, t.step_index, t.attempt_no, t.state,
-       t.workflow_version, t.usage,
+       t.workflow_version, t.usage, t.tools, t.error, t.trajectory_branch_id AS live_branch,
        coalesce(rp.summary, t.prompt) AS prompt_ref, rp.summary IS NOT NULL AS prompt_reduced,
        coalesce(ro.summary, t.output) AS output_ref, ro.summary IS NOT NULL AS output_reduced,
        list_concat(coalesce(vd.verdicts, []::{verdict_type}[]),
@@ -171,6 +181,7 @@ def export_live(
     at_lsn: int | None = None,
     runs: Iterable[str] | None = None,
     only_succeeded: bool = False,
+    keep_unanswered: bool = False,
     batch_size: int = DEFAULT_BATCH_BYTES,
     max_workers: int = 8,
     progress: Callable[[ExportProgress], None] | None = None,
@@ -185,12 +196,19 @@ def export_live(
     after it folded again; else the log). ``ExportReport.source`` says which was used:
     ``"state"``, ``"state+log"`` or ``"log"``; the bytes are the same whichever it is.
     ``max_workers`` bounds the pool that reads bodies. Unknown ``runs`` raise ``NotFound``.
+    ``jsonl`` never writes a null message: attempts with no output body are left out
+    (``ExportReport.skipped_no_output``) unless ``keep_unanswered``, which keeps them as
+    a user turn alone; attempts with no prompt body are always left out
+    (``skipped_no_prompt``).
     """
     log = as_log(log, storage_options=storage_options)
     if format not in FORMATS:
         raise ValidationError(f"export: format must be one of {FORMATS}, got {format!r}")
     if source not in SOURCES:
         raise ValidationError(f"export: source must be one of {SOURCES}, got {source!r}")
+    if keep_unanswered and format != "jsonl":
+        raise ValidationError(f"export: keep_unanswered applies to the jsonl chat format, "
+                              f"not {format!r} (which keeps every attempt)")
     if format == "pairs" and only_succeeded:
         raise ValidationError("export: only_succeeded leaves no failed attempt to pair")
     if type(batch_size) is not int or batch_size < 1:
@@ -213,7 +231,9 @@ def export_live(
         try:
             _select(con, runs, only_succeeded)
             query = _PAIRS_SQL if format == "pairs" else \
-                "SELECT * FROM export_live ORDER BY run_id, pos"
+                f"SELECT * FROM export_live {_chat_filter(format, keep_unanswered)} " \
+                "ORDER BY run_id, pos"
+            skipped = _skipped(con, format, keep_unanswered)
             total = int(con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})"
                                 ).fetchall()[0][0])
             reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
@@ -223,15 +243,34 @@ def export_live(
                     progress(ExportProgress(runs_done, total, records, out.bytes))
 
             with Sink(os.fspath(dest), dest_options) as out:
-                writer = WRITERS[format](out, lsn)
-                stats = _pump(reader, writer, fetcher, SLOTS[format], batch_size, report)
+                writer = _WRITERS[format](out, lsn)
+                stats = _pump(reader, writer, fetcher, _SLOTS[format], batch_size, report)
                 writer.close()
         finally:
             con.close()
     finally:  # after a failure, fetches still queued are dropped, not waited for
         pool.shutdown(wait=True, cancel_futures=True)
     return ExportReport(out.url, format, used, lsn, stats[0], stats[1], out.bytes,
-                        stats[2], out.sha256)
+                        stats[2], out.sha256, *skipped)
+
+
+def _chat_filter(format: str, keep_unanswered: bool) -> str:
+    """The chat format needs a user turn, and an assistant turn unless ``keep_unanswered``:
+    a null message would train a model to stop at once."""
+    if format != "jsonl":
+        return ""
+    return "WHERE prompt_ref IS NOT NULL" + ("" if keep_unanswered
+                                             else " AND output_ref IS NOT NULL")
+
+
+def _skipped(con: Any, format: str, keep_unanswered: bool) -> tuple[int, int]:
+    """(no output, no prompt) attempts the chat filter leaves out."""
+    if format != "jsonl":
+        return 0, 0
+    no_out, no_prompt = con.execute(
+        "SELECT count(*) FILTER (prompt_ref IS NOT NULL AND output_ref IS NULL), "
+        "count(*) FILTER (prompt_ref IS NULL) FROM export_live").fetchall()[0]
+    return (0 if keep_unanswered else int(no_out)), int(no_prompt)
 
 
 def _connect(log: EventLog, source: str, lsn: int,

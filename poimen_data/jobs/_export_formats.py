@@ -101,7 +101,7 @@ class Bodies:
         return sum(self.get(s, i)[1] for s in self._cells for i in range(len(self._cells[s])))
 
 
-def _cost(v: Any) -> str | None:
+def cost_text(v: Any) -> str | None:
     # JSON has no exact decimal: money travels as a string with the stored 9 places.
     return None if v is None else str(Decimal(v).quantize(COST_QUANTUM))
 
@@ -109,13 +109,13 @@ def _cost(v: Any) -> str | None:
 def _usage(u: Mapping[str, Any] | None) -> dict[str, Any]:
     u = u or {}
     out = {k: u.get(k) for k in USAGE_FIELDS}
-    out["cost_usd"] = _cost(out["cost_usd"])
+    out["cost_usd"] = cost_text(out["cost_usd"])
     if out["latency_ms"] is not None:
         out["latency_ms"] = float(out["latency_ms"])
     return out
 
 
-def _verdicts(vs: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+def verdict_records(vs: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
     return [{"verifier": v["verifier"], "passed": v["passed"],
              "score": None if v["score"] is None else float(v["score"]),
              "snapshot_lsn": v["snapshot_lsn"]} for v in (vs or ())]
@@ -128,7 +128,7 @@ def _dumps(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
 
 
-def _text(body: bytes | None) -> str | None:
+def body_text(body: bytes | None) -> str | None:
     return None if body is None else body.decode("utf-8", errors="replace")
 
 
@@ -163,12 +163,14 @@ def _text_array(bodies: Sequence[bytes | None]) -> pa.Array:
     try:
         arr.validate(full=True)
     except pa.ArrowInvalid:
-        return pa.array([_text(b) for b in bodies], pa.string())
+        return pa.array([body_text(b) for b in bodies], pa.string())
     return arr.cast(pa.string())
 
 
 class JsonlWriter:
-    """Chat records: the prompt is the user turn, the output the assistant turn."""
+    """Chat records: the prompt is the user turn, the output the assistant turn. The rows
+    never lack a prompt, and lack an output only when the caller kept unanswered attempts:
+    those get no assistant turn (never a null one)."""
 
     slots = ("prompt", "output")
 
@@ -183,23 +185,26 @@ class JsonlWriter:
             output, output_reduced = bodies.get("output", i)
             meta = {k: row[k] for k in _ATTEMPT_META}
             meta["usage"] = _usage(row["usage"])
-            meta["verdicts"] = _verdicts(row["verdicts"])
+            meta["verdicts"] = verdict_records(row["verdicts"])
             meta["prompt_reduced"] = prompt_reduced
             meta["output_reduced"] = output_reduced
             meta["export_lsn"] = self.export_lsn
             if _small(prompt, output):  # the common case: one call, one write
-                w(orjson.dumps({"messages": [
-                    {"content": _text(prompt), "role": "user"},
-                    {"content": _text(output), "role": "assistant"}], "metadata": meta},
-                    option=_LINE))
+                messages = [{"content": body_text(prompt), "role": "user"}]
+                if output is not None:
+                    messages.append({"content": body_text(output), "role": "assistant"})
+                w(orjson.dumps({"messages": messages, "metadata": meta}, option=_LINE))
                 continue
             w(b'{"messages":[{"content":')
-            _write_json_text(w, _text(prompt))
+            _write_json_text(w, body_text(prompt))
             del prompt
-            w(b',"role":"user"},{"content":')
-            _write_json_text(w, _text(output))
-            del output
-            w(b',"role":"assistant"}],"metadata":')
+            if output is not None:
+                w(b',"role":"user"},{"content":')
+                _write_json_text(w, body_text(output))
+                del output
+                w(b',"role":"assistant"}],"metadata":')
+            else:
+                w(b',"role":"user"}],"metadata":')
             w(_dumps(meta))
             w(b"}\n")
 
@@ -221,23 +226,23 @@ class PairsWriter:
         for i, row in enumerate(batch.select(list(_PAIR_META) + ["verdicts"]).to_pylist()):
             got = {s: bodies.get(s, i) for s in self.slots}
             meta = {k: row[k] for k in _PAIR_META}
-            meta["verdicts"] = _verdicts(row["verdicts"])
+            meta["verdicts"] = verdict_records(row["verdicts"])
             for s in self.slots:
                 meta[f"{s}_reduced"] = got[s][1]
             meta["export_lsn"] = self.export_lsn
             if _small(*(g[0] for g in got.values())):
-                w(orjson.dumps({"chosen": _text(got["chosen"][0]), "metadata": meta,
-                                "prompt": _text(got["prompt"][0]),
-                                "rejected": _text(got["rejected"][0])}, option=_LINE))
+                w(orjson.dumps({"chosen": body_text(got["chosen"][0]), "metadata": meta,
+                                "prompt": body_text(got["prompt"][0]),
+                                "rejected": body_text(got["rejected"][0])}, option=_LINE))
                 continue
             w(b'{"chosen":')
-            _write_json_text(w, _text(got["chosen"][0]))
+            _write_json_text(w, body_text(got["chosen"][0]))
             w(b',"metadata":')
             w(_dumps(meta))
             w(b',"prompt":')
-            _write_json_text(w, _text(got["prompt"][0]))
+            _write_json_text(w, body_text(got["prompt"][0]))
             w(b',"rejected":')
-            _write_json_text(w, _text(got["rejected"][0]))
+            _write_json_text(w, body_text(got["rejected"][0]))
             w(b"}\n")
 
     def close(self) -> None:

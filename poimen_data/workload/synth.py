@@ -377,6 +377,9 @@ class _World:
     def recovery(self) -> Unit:
         """The engine restarts: resolve every attempt a dead worker left ``dispatched``."""
         evs = []
+        # A recovered attempt has no output body, even when it is resolved as succeeded
+        # (the engine saw the step's effect, e.g. the tool's result, but the model's
+        # response died with the worker): realistic, so chat exports leave them out.
         for tenant, run_id, branch, step, attempt in self.crashed:
             state = self.r.choices(("timed_out", "failed", "succeeded"), (7, 2, 1))[0]
             evs.append(ev.AttemptRecovered(tenant, run_id, branch, step, attempt, state,
