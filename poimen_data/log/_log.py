@@ -43,6 +43,7 @@ from poimen_data.log._manifest import (
     loads,
     manifest_path,
 )
+from poimen_data.log._recorder import Recorder
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, _now_iso
 from poimen_data.model import _events as ev
 from poimen_data.storage._storage import BackgroundPool, Storage
@@ -581,7 +582,20 @@ class EventLog:
                 if won:
                     self._state.apply(m)
                     return m
+                self.publish_retries += 1
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
+
+    # -- group commit -------------------------------------------------------------
+
+    #: Publishes of this process that lost the race for a seq to another writer.
+    publish_retries = 0
+
+    def recorder(self, *, max_delay_ms: float = 5.0, max_events: int = 10_000,
+                 max_bytes: int = 64 << 20) -> Recorder:
+        """A group-commit recorder: many threads or asyncio tasks ``record`` events, one
+        commit per window (README "Recording from many producers (group commit)")."""
+        return Recorder(self, max_delay_ms=max_delay_ms, max_events=max_events,
+                        max_bytes=max_bytes)
 
 
 # -- opening ---------------------------------------------------------------------------
