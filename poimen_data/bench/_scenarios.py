@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from poimen_data.bench import _recorder as _rec
 from poimen_data.bench._core import (
     Ctx,
     Goal,
@@ -814,4 +815,10 @@ SCENARIOS: list[Scenario] = [
     Scenario("grading", "grading", GOALS["grading"], grading),
     Scenario("export", "export", GOALS["export"], export),
     Scenario("s3_commit", "S3 commit", GOALS["s3_commit"], s3_commit),
+    Scenario("group_commit", "group commit", _rec.GOALS["group_commit"], _rec.group_commit),
+    Scenario("group_commit_p99", "group commit p99", _rec.GOALS["group_commit_p99"],
+             _rec.group_commit_p99),
+    Scenario("group_commit_s3", "group commit S3", _rec.GOALS["group_commit_s3"],
+             _rec.group_commit_s3),
+    Scenario("s3_writers", "S3 writers", _rec.GOALS["s3_writers"], _rec.s3_writers),
 ]

@@ -58,6 +58,11 @@ class CommitInfo:
 class Transaction:
     """A batch of blobs and events that becomes visible at once, or not at all."""
 
+    # Where staged bodies are written, and how many at most at a time: the group-commit
+    # recorder widens both for a window of many small bodies (one fsync each).
+    io_pool: BackgroundPool = IO_POOL
+    max_io_in_flight: int = MAX_IO_IN_FLIGHT
+
     def __init__(self, log: EventLog) -> None:
         self.log = log
         self.txn = uuid.uuid4().hex
@@ -122,9 +127,10 @@ class Transaction:
         if wait or self.log.storage.kind == "memory":
             self._write_new(path, data, "blob_staged")
         else:  # written while the caller goes on; commit waits for it before publishing
-            if len(self._io) >= MAX_IO_IN_FLIGHT or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
+            if len(self._io) >= self.max_io_in_flight \
+                    or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
                 self._join_io()
-            self._io.append(IO_POOL.submit(self._write_new, path, data, "blob_staged"))
+            self._io.append(self.io_pool.submit(self._write_new, path, data, "blob_staged"))
             self._io_bytes += len(data)
 
     def _write_new(self, path: str, data: Any, point: str) -> None:
