@@ -13,7 +13,9 @@ import atexit
 import hashlib
 import logging
 import os
+import random
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -583,6 +585,7 @@ class EventLog:
                     self._state.apply(m)
                     return m
                 self.publish_retries += 1
+            _lost_race_pause(attempt, self.storage.kind)
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
 
     # -- group commit -------------------------------------------------------------
@@ -596,6 +599,13 @@ class EventLog:
         commit per window (README "Recording from many producers (group commit)")."""
         return Recorder(self, max_delay_ms=max_delay_ms, max_events=max_events,
                         max_bytes=max_bytes)
+
+
+def _lost_race_pause(attempt: int, kind: str) -> None:
+    """After losing the race for a seq, wait a random time up to a bound that doubles with
+    each loss ("full jitter"): writers that lost together do not all come back together."""
+    base = 0.005 if kind == "s3" else 0.0005
+    time.sleep(random.uniform(0, min(0.25, base * 2 ** min(attempt, 10))))
 
 
 # -- opening ---------------------------------------------------------------------------
