@@ -102,8 +102,10 @@ class Transaction:
 
     # -- blobs --------------------------------------------------------------------
 
-    def put_blob(self, tenant: str, data: bytes) -> ev.BlobRef:
-        """Stage a body (or reuse the committed one with the same hash) and return its ref."""
+    def put_blob(self, tenant: str, data: bytes, *, reuse: bool = True) -> ev.BlobRef:
+        """Stage a body (or reuse the committed one with the same hash) and return its ref.
+        ``reuse=False`` stages it without looking for a committed copy (a HEAD on S3):
+        for bodies known to be new."""
         self._check_open()
         ev.check_tenant(tenant, "put_blob")
         if not isinstance(data, bytes | bytearray | memoryview):
@@ -115,7 +117,7 @@ class Transaction:
         ref = ev.BlobRef(tenant, sha, len(data))
         if key in self._staged or key in self._reused:
             return ref
-        if self.log._body_present(key):
+        if reuse and self.log._body_present(key):
             self._reused[key] = data
             return ref
         self._stage(key, data, wait=False)
