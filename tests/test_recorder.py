@@ -385,3 +385,30 @@ def test_a_killed_recorder_loses_only_unresolved_records(request: pytest.Fixture
     assert list(log.storage.walk_files("_staging")) == []
     listed = {s.path for m in log.manifests() for s in m.segments}
     assert set(log.storage.walk_files("segments")) == listed
+
+
+def test_a_body_is_uploaded_once_per_recorder_and_staged_again_when_unknown(
+        root: Root) -> None:
+    log = root.open()
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"committed by another writer")
+    body = b"first seen by the recorder"
+    new = blob_ref("acme", body)
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        def dispatch(run: str, r: pdm.BlobRef, data: bytes) -> Future[pdm.CommitInfo]:
+            return rec.record([E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=r)],
+                              blobs={r: data})
+
+        f1 = [dispatch("a", new, body), dispatch("b", ref, b"committed by another writer")]
+        rec.flush()
+        f2 = [dispatch("c", new, body)]
+    assert [f.result(timeout=0).seq for f in f1 + f2] == [2, 2, 3]
+    staged = {m.seq: {b.sha256: b.staged is not None for b in m.blobs}
+              for m in log.manifests()}
+    # unknown to the recorder: staged (the other writer's body too, without a lookup);
+    # committed by its own earlier window: reused, not uploaded again
+    assert staged[2] == {new.sha256: True, ref.sha256: True}
+    assert staged[3] == {new.sha256: False}
+    again = root.open()
+    assert again.blobs.get(new) == body
+    assert again.blobs.get(ref) == b"committed by another writer"
