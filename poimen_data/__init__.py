@@ -24,6 +24,7 @@ from poimen_data.jobs._grade import GradeReport, Verdict, VerifierCtx, grade
 from poimen_data.jobs._maint import compact, reduce, vacuum
 from poimen_data.log._blobs import BlobStore, FsBlobStore
 from poimen_data.log._log import CommitInfo, EventLog, Transaction, open_log
+from poimen_data.log._recorder import Recorder
 from poimen_data.model._events import BlobRef, ContextPartition, ToolInfo, Usage
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "LeaseHeld",
     "NotFound",
     "PoimenError",
+    "Recorder",
     "TenantMismatch",
     "ToolInfo",
     "Transaction",

@@ -356,7 +356,7 @@ class Recorder:
         except BaseException as exc:  # noqa: BLE001 - storage failed: nothing landed
             self._fail(win.records, exc)
             return
-        self.commits += 1
+        self.commits += info.seq is not None
         for key in win.keys:
             self._known[key] = None
             self._known.move_to_end(key)
