@@ -221,10 +221,11 @@ def _moto() -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         host, port = server.get_host_and_port()
         url = f"http://{host}:{port}"
+        bucket = f"poimen-bench-{uuid.uuid4().hex[:12]}"  # moto's state is per process
         boto3.client("s3", endpoint_url=url, aws_access_key_id="bench",
                      aws_secret_access_key="bench", region_name="eu-west-1").create_bucket(
-            Bucket="poimen-bench", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
-        yield (f"s3://poimen-bench/{uuid.uuid4().hex}",
+            Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+        yield (f"s3://{bucket}/{uuid.uuid4().hex}",
                {"key": "bench", "secret": "bench",
                 "client_kwargs": {"endpoint_url": url, "region_name": "eu-west-1"}})
     finally:
