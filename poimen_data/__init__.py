@@ -50,7 +50,15 @@ from poimen_data.jobs import (
     reduce,
     vacuum,
 )
-from poimen_data.log import BlobStore, CommitInfo, EventLog, FsBlobStore, Transaction, open_log
+from poimen_data.log import (
+    BlobStore,
+    CommitInfo,
+    EventLog,
+    FsBlobStore,
+    Recorder,
+    Transaction,
+    open_log,
+)
 from poimen_data.model import BlobRef, ContextPartition, ToolInfo, Usage
 
 __all__ = [
@@ -75,6 +83,7 @@ __all__ = [
     "MaterializeReport",
     "NotFound",
     "PoimenError",
+    "Recorder",
     "ReduceReport",
     "StateChanged",
     "StorageError",

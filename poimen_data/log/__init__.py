@@ -9,6 +9,7 @@ from __future__ import annotations
 from poimen_data.log._blobs import BlobStore, FsBlobStore
 from poimen_data.log._log import EventLog, LogLike, as_log, commit_events, open_log
 from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo
+from poimen_data.log._recorder import Recorder
 from poimen_data.log._txn import CommitInfo, Transaction
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FsBlobStore",
     "LogLike",
     "Manifest",
+    "Recorder",
     "SegmentInfo",
     "Transaction",
     "as_log",

@@ -46,6 +46,7 @@ from poimen_data.log._manifest import (
     loads,
     manifest_path,
 )
+from poimen_data.log._recorder import Recorder
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
 from poimen_data.model import conform_segment
@@ -646,8 +647,6 @@ class EventLog:
         means the commit landed, and it is never published twice.
         """
         for attempt in range(MAX_COMMIT_ATTEMPTS):
-            if attempt > 1:  # lost the race twice: writers that collide spread out
-                time.sleep(random.uniform(0.0, min(0.1, 0.001 * 2 ** min(attempt, 20))))
             with self._lock:
                 # Optimistic first try at the head we know: if another commit took that
                 # seq, put-if-absent fails and we read what we missed; if it succeeds,
@@ -678,6 +677,8 @@ class EventLog:
                 if won:
                     self._state.apply(m)
                     return m
+                self.publish_retries += 1
+            _lost_race_pause(attempt, remote=self.storage.ambiguous_errors)
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
 
     # -- streaming reads: one segment in memory at a time --------------------------
@@ -813,6 +814,26 @@ class EventLog:
             raise CorruptionError(f"{name}: listed by a manifest but missing") from None
         if size != s.size or h.hexdigest() != s.sha256:
             raise CorruptionError(f"{name}: size or sha256 differs from its manifest")
+
+    # -- group commit -------------------------------------------------------------
+
+    #: Publishes of this process that lost the race for a seq to another writer.
+    publish_retries = 0
+
+    def recorder(self, *, max_delay_ms: float = 5.0, max_events: int = 10_000,
+                 max_bytes: int = 64 << 20) -> Recorder:
+        """A group-commit recorder: many threads or asyncio tasks ``record`` events, one
+        commit per window (README "Recording from many producers (group commit)")."""
+        return Recorder(self, max_delay_ms=max_delay_ms, max_events=max_events,
+                        max_bytes=max_bytes)
+
+
+def _lost_race_pause(attempt: int, *, remote: bool) -> None:
+    """After losing the race for a seq, wait a random time up to a bound that doubles with
+    each loss ("full jitter"): writers that lost together do not all come back together.
+    A remote store's round trip is ten times a local one, and so is its bound."""
+    base = 0.005 if remote else 0.0005
+    time.sleep(random.uniform(0, min(0.25, base * 2 ** min(attempt, 10))))
 
 
 # -- opening ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from poimen_data.log._faults import crash_point, write_in_flight
 from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import check_conformed, conform_table, events_to_table, table_refs
-from poimen_data.storage import CHECK_POOL, IO_POOL
+from poimen_data.storage import CHECK_POOL, IO_POOL, BackgroundPool
 
 if TYPE_CHECKING:
     from poimen_data.log._internals import LogInternals
@@ -59,6 +59,11 @@ class CommitInfo:
 
 class Transaction:
     """A batch of blobs and events that becomes visible at once, or not at all."""
+
+    # Where staged bodies are written, and how many at most at a time: the group-commit
+    # recorder widens both for a window of many small bodies (one fsync each).
+    io_pool: BackgroundPool = IO_POOL
+    max_io_in_flight: int = MAX_IO_IN_FLIGHT
 
     def __init__(self, log: LogInternals) -> None:
         self.log = log
@@ -99,8 +104,10 @@ class Transaction:
 
     # -- blobs --------------------------------------------------------------------
 
-    def put_blob(self, tenant: str, data: bytes) -> ev.BlobRef:
-        """Stage a body (or reuse the committed one with the same hash) and return its ref."""
+    def put_blob(self, tenant: str, data: bytes, *, reuse: bool = True) -> ev.BlobRef:
+        """Stage a body (or reuse the committed one with the same hash) and return its ref.
+        ``reuse=False`` stages it without looking for a committed copy (a HEAD on S3):
+        for bodies known to be new."""
         self._check_open()
         ev.check_tenant(tenant, "put_blob")
         if not isinstance(data, bytes | bytearray | memoryview):
@@ -112,7 +119,7 @@ class Transaction:
         ref = ev.BlobRef(tenant, sha, len(data))
         if key in self._staged or key in self._reused:
             return ref
-        if self.log.body_present(key):
+        if reuse and self.log.body_present(key):
             self._reused[key] = data
             return ref
         self._stage(key, data, wait=False)
@@ -124,9 +131,10 @@ class Transaction:
         if wait or not self.log.storage.background_io:
             self._write_new(path, data, "blob_staged")
         else:  # written while the caller goes on; commit waits for it before publishing
-            if len(self._io) >= MAX_IO_IN_FLIGHT or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
+            if len(self._io) >= self.max_io_in_flight \
+                    or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
                 self._join_io()
-            self._io.append(IO_POOL.submit(self._write_new, path, data, "blob_staged"))
+            self._io.append(self.io_pool.submit(self._write_new, path, data, "blob_staged"))
             self._io_bytes += len(data)
 
     def _write_new(self, path: str, data: Any, point: str) -> None:

@@ -1,0 +1,382 @@
+"""Bench scenarios of group commit (issue 17): 64 producers through one recorder against
+the same producers committing one by one, on local disk and on S3 (moto), and N writer
+processes racing for one log. Run ``python -m poimen_data.bench._recorder`` as a writer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from poimen_data.bench._core import Ctx, Goal, Result, fmt_rate, fmt_ratio, fmt_time, percentile
+
+PRODUCERS = 64
+BODY = 4096
+WRITER_COUNTS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class AllOf(Goal):
+    """A goal on both figures: ``ours >= limit`` and ``ratio >= min_ratio``."""
+
+    min_ratio: float = 0.0
+
+    def met(self, ours: float | None, ratio: float | None) -> bool | None:
+        if ours is None or ratio is None:
+            return None
+        return ours >= self.limit and ratio >= self.min_ratio
+
+
+GOALS: dict[str, Goal] = {
+    "group_commit": AllOf(">= 20,000 events/s and >= 10x one by one", "ours", ">=",
+                          20_000, min_ratio=10.0),
+    "group_commit_p99": Goal("p99 < 25 ms", "ours", "<=", 0.025),
+    "group_commit_s3": Goal(">= 10x one by one", "ratio", ">=", 10.0),
+    "s3_writers": Goal("N=8 records/s >= N=1", "ratio", ">=", 1.0),
+}
+
+
+def _open(root: str, **kw: Any) -> Any:
+    from poimen_data.log._log import open_log
+
+    return open_log(root, **kw)
+
+
+def _attempt(run_id: str, ref: Any) -> list[Any]:
+    """One attempt as the engine records it: its dispatch (with the prompt) and its end."""
+    from poimen_data.model import _events as ev
+
+    return [ev.AttemptDispatched("acme", run_id, 0, "step", 0, 1, prompt=ref),
+            ev.AttemptFinished("acme", run_id, 0, "step", 1, "succeeded")]
+
+
+def _drive(per: int, one: Callable[[int, int, bytes], None]) -> tuple[float, list[float]]:
+    """``PRODUCERS`` threads released together, each calling ``one(p, k, body)`` ``per``
+    times in a row; returns the wall time and every call's latency."""
+    bodies = [[os.urandom(BODY) for _ in range(per)] for _ in range(PRODUCERS)]
+    barrier = threading.Barrier(PRODUCERS + 1)
+    lat: list[float] = []
+    errors: list[BaseException] = []
+
+    def producer(p: int) -> None:
+        barrier.wait()
+        mine = []
+        try:
+            for k in range(per):
+                t = time.perf_counter()
+                one(p, k, bodies[p][k])
+                mine.append(time.perf_counter() - t)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        lat.extend(mine)
+
+    threads = [threading.Thread(target=producer, args=(p,)) for p in range(PRODUCERS)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, lat
+
+
+def _grouped(log: Any, per: int) -> tuple[float, list[float]]:
+    with log.recorder(max_delay_ms=5) as rec:
+        def one(p: int, k: int, body: bytes) -> None:
+            ref = rec.ref("acme", body)
+            rec.record(_attempt(f"g{p}-{k}", ref), blobs={ref: body}).result()
+
+        return _drive(per, one)
+
+
+def _one_by_one(log: Any, per: int) -> tuple[float, list[float]]:
+    def one(p: int, k: int, body: bytes) -> None:
+        with log.transaction() as tx:
+            ref = tx.put_blob("acme", body)
+            tx.extend(_attempt(f"o{p}-{k}", ref))
+
+    return _drive(per, one)
+
+
+def _compare(ctx: Ctx, root: Callable[[str], str], per_ours: int, per_ref: int,
+             reps: int, **open_kw: Any) -> dict[str, Any]:
+    """Interleaved rounds of both sides, each on a fresh log; rates from summed work and
+    time, latencies pooled over the rounds."""
+    out: dict[str, Any] = {"ours_s": [], "ref_s": [], "ours_lat": [], "ref_lat": [],
+                           "commits": []}
+    for fn in (_grouped, _one_by_one):  # warm-up, untimed (first Arrow conversions)
+        fn(_open(root(f"warm-{fn.__name__}"), **open_kw), 1)
+    for i in range(reps):
+        sides = [("ours", _grouped, per_ours), ("ref", _one_by_one, per_ref)]
+        for name, fn, per in sides[i % 2:] + sides[:i % 2]:
+            log = _open(root(f"{name}{i}"), **open_kw)
+            wall, lat = fn(log, per)
+            log.flush()
+            out[f"{name}_s"].append(wall)
+            out[f"{name}_lat"] += lat
+            if name == "ours":
+                out["commits"].append(log.head_seq)
+    n = PRODUCERS * 2
+    out["ours"] = n * per_ours * reps / sum(out["ours_s"])
+    out["ref"] = n * per_ref * reps / sum(out["ref_s"])
+    out["records_per_commit"] = PRODUCERS * per_ours * reps / sum(out["commits"])
+    return out
+
+
+def _local(ctx: Ctx) -> dict[str, Any]:
+    if "group_local" not in ctx.cache:
+        d = ctx.dir("group")
+        per_ours, per_ref = (10, 2) if ctx.quick else (40, 6)
+        ctx.cache["group_local"] = _compare(ctx, lambda name: str(d / name), per_ours,
+                                            per_ref, 3 if not ctx.quick else 2)
+    return ctx.cache["group_local"]
+
+
+def _result(ctx: Ctx, name: str, title: str, **kw: Any) -> Result:
+    r = Result(name, title, "ok", GOALS[name].text, **kw)
+    r.details.setdefault("quick", ctx.quick)
+    return r
+
+
+def group_commit(ctx: Ctx) -> Result:
+    """64 producer threads, each recording single attempts (2 events + a 4 KB prompt) one
+    after the other and waiting for each to be durable, through one recorder on a durable
+    local log; the reference is the same producers each committing its own transaction."""
+    m = _local(ctx)
+    ratio = m["ours"] / m["ref"]
+    p99 = percentile(m["ours_lat"], 0.99)
+    return _result(ctx, "group_commit", "group commit", ours=m["ours"], reference=m["ref"],
+                   ratio=ratio, unit="events/s", ref_unit="events/s",
+                   ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
+                   reference_text="one by one " + fmt_rate(m["ref"], "events/s"),
+                   ratio_text=fmt_ratio(ratio),
+                   note=f"{PRODUCERS} threads, durable local disk; "
+                        f"{m['records_per_commit']:.1f} records per commit",
+                   details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
+                            "commits": m["commits"],
+                            "records_per_commit": m["records_per_commit"]})
+
+
+def group_commit_p99(ctx: Ctx) -> Result:
+    """The p99 latency of one record (``record(...).result()``) in ``group_commit``,
+    against the p99 of one commit of the same producers committing one by one."""
+    m = _local(ctx)
+    p99, ref = percentile(m["ours_lat"], 0.99), percentile(m["ref_lat"], 0.99)
+    p50 = percentile(m["ours_lat"], 0.5)
+    return _result(ctx, "group_commit_p99", "group commit p99", ours=p99, reference=ref,
+                   ratio=p99 / ref, unit="s", ref_unit="s",
+                   ours_text=f"p99 {fmt_time(p99)} (median {fmt_time(p50)})",
+                   reference_text=f"one by one p99 {fmt_time(ref)}",
+                   ratio_text=fmt_ratio(p99 / ref),
+                   note=f"{len(m['ours_lat'])} records",
+                   details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
+                            "p50_s": p50})
+
+
+# --- S3 on moto ----------------------------------------------------------------------------
+
+
+def _atomic_conditional_put() -> None:
+    """moto checks ``If-None-Match`` and stores in two unlocked steps, so racing writers
+    could both win; serializing its PUT handler restores S3's guarantee (as the tests do)."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response.put_object, "_poimen_atomic", False):
+        return
+    original, lock = S3Response.put_object, threading.Lock()
+
+    def put_object(self: S3Response) -> object:
+        with lock:
+            return original(self)
+
+    put_object._poimen_atomic = True  # type: ignore[attr-defined]
+    S3Response.put_object = put_object  # type: ignore[method-assign]
+
+
+@contextmanager
+def _moto() -> Iterator[tuple[str, dict[str, Any]]]:
+    """A moto S3 server on 127.0.0.1 with a bucket: yields (bucket URL, storage options)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    _atomic_conditional_put()
+    wz = logging.getLogger("werkzeug")
+    level = wz.level
+    wz.setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        url = f"http://{host}:{port}"
+        bucket = f"poimen-bench-{uuid.uuid4().hex[:12]}"  # moto's state is per process
+        boto3.client("s3", endpoint_url=url, aws_access_key_id="bench",
+                     aws_secret_access_key="bench", region_name="eu-west-1").create_bucket(
+            Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+        yield (f"s3://{bucket}/{uuid.uuid4().hex}",
+               {"key": "bench", "secret": "bench",
+                "client_kwargs": {"endpoint_url": url, "region_name": "eu-west-1"}})
+    finally:
+        server.stop()
+        wz.setLevel(level)
+
+
+def group_commit_s3(ctx: Ctx) -> Result:
+    """``group_commit`` on a log in S3 (moto on loopback): one manifest PUT per window
+    instead of one per record."""
+    per_ours, per_ref = (3, 1) if ctx.quick else (8, 2)
+    with _moto() as (base, opts):
+        m = _compare(ctx, lambda name: f"{base}/{name}", per_ours, per_ref, 2,
+                     storage_options=opts)
+    ratio = m["ours"] / m["ref"]
+    p99 = percentile(m["ours_lat"], 0.99)
+    return _result(ctx, "group_commit_s3", "group commit S3", ours=m["ours"],
+                   reference=m["ref"], ratio=ratio, unit="events/s", ref_unit="events/s",
+                   ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
+                   reference_text="one by one " + fmt_rate(m["ref"], "events/s"),
+                   ratio_text=fmt_ratio(ratio),
+                   note=f"{PRODUCERS} threads on moto (loopback); "
+                        f"{m['records_per_commit']:.1f} records per commit",
+                   details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
+                            "commits": m["commits"],
+                            "records_per_commit": m["records_per_commit"]})
+
+
+# --- N writer processes on one log ------------------------------------------------------------
+
+
+def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
+             producers: int) -> dict[str, float]:
+    """``n`` processes released together, each committing ``records`` records (2 events
+    + a 4 KB body): one by one (``producers=0``), or from that many threads through a
+    recorder. Total records/s, and lost publish races per publish."""
+    env = dict(os.environ)
+    env.pop("POIMEN_CRASH_AT", None)
+    env["POIMEN_BENCH_STORAGE_OPTIONS"] = json.dumps(opts) if opts else ""
+    procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", root,
+                               f"w{i}", str(records), str(producers)], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+             for i in range(n)]
+    try:
+        for p in procs:  # the rendezvous: every writer opened the log
+            assert p.stdout is not None
+            if p.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"writer failed: {p.communicate()[1].decode()[-500:]}")
+        t0 = time.perf_counter()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+        retries = publishes = 0
+        for p in procs:
+            out, err = p.communicate(timeout=900)
+            if p.returncode:
+                raise RuntimeError(f"writer failed: {err.decode()[-500:]}")
+            r, c = out.split()[-2:]
+            retries, publishes = retries + int(r), publishes + int(c)
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return {"records_per_s": n * records / wall, "publishes_per_s": publishes / wall,
+            "retries_per_publish": retries / publishes, "wall_s": wall}
+
+
+def _writer_table(ctx: Ctx, base: str, opts: dict[str, Any] | None, records: int,
+                  producers: int) -> dict[int, dict[str, float]]:
+    out = {}
+    for n in (1, 8) if ctx.quick else WRITER_COUNTS:
+        root = f"{base}/w{n}-{producers}"
+        _open(root, storage_options=opts)  # created once, before the race
+        out[n] = _writers(root, opts, n, records, producers)
+    return out
+
+
+def s3_writers(ctx: Ctx) -> Result:
+    """N = 1, 2, 4, 8 processes writing one log in S3 (moto): each commits its records
+    through a recorder fed by 8 threads (ours), and one by one (in the note); then the same
+    on local disk (details and note). Total records/s and lost publish races per publish.
+    The goal: N = 8 no slower in total than N = 1."""
+    q = ctx.quick
+    with _moto() as (base, opts):
+        s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8)
+        s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0)
+    d = str(ctx.dir("writers"))  # local disk: full runs only (8 processes start slowly)
+    local = {} if q else _writer_table(ctx, d, None, 160, 8)
+    local_one = {} if q else _writer_table(ctx, d, None, 50, 0)
+    one, eight = s3[1]["records_per_s"], s3[8]["records_per_s"]
+
+    def line(t: dict[int, dict[str, float]]) -> str:
+        return ", ".join(f"N={n}: {v['records_per_s']:.0f}/s "
+                         f"({v['retries_per_publish']:.2f} retries)" for n, v in t.items())
+
+    return _result(ctx, "s3_writers", "S3 writers", ours=eight, reference=one,
+                   ratio=eight / one, unit="records/s", ref_unit="records/s",
+                   ours_text=f"N=8 {fmt_rate(eight, 'records/s')}",
+                   reference_text=f"N=1 {fmt_rate(one, 'records/s')}",
+                   ratio_text=fmt_ratio(eight / one),
+                   note=f"records/s (lost races per publish); S3 with a recorder per "
+                        f"process: {line(s3)}; S3 one by one: {line(s3_one)}; local disk "
+                        f"with a recorder: {line(local)}; local one by one: {line(local_one)}",
+                   details={"t_ours_s": [s3[8]["wall_s"]], "t_ref_s": [s3[1]["wall_s"]],
+                            **{name: {str(k): v for k, v in t.items()} for name, t in
+                               (("s3", s3), ("s3_one_by_one", s3_one), ("local", local),
+                                ("local_one_by_one", local_one))}})
+
+
+def _writer_main(root: str, who: str, records: int, producers: int) -> None:
+    """One writer process of ``s3_writers``: prints ``ready``, waits for a line, commits,
+    prints its lost publish races and its publishes."""
+    so = os.environ.get("POIMEN_BENCH_STORAGE_OPTIONS")
+    log = _open(root, storage_options=json.loads(so) if so else None, create=False)
+    from datetime import UTC, datetime
+
+    from poimen_data.model._arrow import events_to_table
+    from poimen_data.model._events import BlobRef
+
+    warm = _attempt("warm", BlobRef("acme", "0" * 64, 1))  # the first conversion is slow
+    events_to_table(warm, [datetime.now(UTC)] * len(warm))
+    log.refresh()
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+    if producers:
+        with log.recorder(max_delay_ms=5) as rec:
+            def producer(p: int) -> None:
+                for k in range(records // producers):
+                    body = os.urandom(BODY)
+                    ref = rec.ref("acme", body)
+                    rec.record(_attempt(f"{who}-{p}-{k}", ref), blobs={ref: body}).result()
+
+            threads = [threading.Thread(target=producer, args=(p,)) for p in range(producers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        publishes = rec.commits
+    else:
+        for k in range(records):
+            with log.transaction() as tx:
+                ref = tx.put_blob("acme", os.urandom(BODY))
+                tx.extend(_attempt(f"{who}-{k}", ref))
+        publishes = records
+    log.flush()
+    sys.stdout.write(f"{log.publish_retries} {publishes}\n")
+
+
+if __name__ == "__main__":
+    _writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,390 @@
+"""Group commit: many concurrent producers (threads or asyncio tasks) record into one log,
+and the recorder gathers what they hand it into one transaction per window.
+
+See README "Recording from many producers (group commit)" for the contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import math
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from poimen_data.errors import PoimenError, ValidationError
+from poimen_data.log._txn import BlobKey, CommitInfo, Transaction
+from poimen_data.model import _events as ev
+from poimen_data.model._arrow import events_to_table
+from poimen_data.storage._storage import BackgroundPool
+
+if TYPE_CHECKING:
+    from poimen_data.log._log import EventLog
+
+_LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
+# A window stages many small bodies, each written and fsynced on its own: concurrent
+# fsyncs share the file system's journal commits, so more of them in flight finish sooner
+# (64 bodies of 4 KB: about 100 ms on 4 threads, 40 ms on 16, measured here).
+_BODY_IO = BackgroundPool("poimen-record-io", 16)
+BODIES_IN_FLIGHT = 64
+KNOWN_BODIES = 65_536
+
+
+@atexit.register
+def _close_all() -> None:
+    """Drain recorders left open at exit (before the log finishes its promotions)."""
+    for rec in list(_LIVE):
+        try:
+            rec.close()
+        except Exception:  # noqa: BLE001 - unresolved records are lost, as in a crash
+            pass
+
+
+def blob_ref(tenant: str, data: bytes) -> ev.BlobRef:
+    """The ref a body gets in the blob store (sha256 of the bytes, within ``tenant``)."""
+    ev.check_tenant(tenant, "blob_ref")
+    return ev.BlobRef(tenant, hashlib.sha256(data).hexdigest(), len(data))
+
+
+@dataclass(eq=False)
+class _Record:
+    no: int
+    events: tuple[ev.Event, ...]
+    bodies: dict[BlobKey, bytes]
+    nbytes: int
+    future: Future[CommitInfo] = field(default_factory=Future)
+
+
+@dataclass(eq=False)
+class _Window:
+    tx: Transaction
+    opened: float
+    records: list[_Record] = field(default_factory=list)
+    n_events: int = 0
+    nbytes: int = 0
+    last_no: int = 0  # the last record taken, cancelled ones included
+    events: list[ev.Event] = field(default_factory=list)
+    stamps: list[datetime] = field(default_factory=list)
+    keys: list[BlobKey] = field(default_factory=list)
+    poisoned: bool = False  # building the transaction failed: commit record by record
+
+
+_STOP = object()
+
+
+class Recorder:
+    """Gathers the records of concurrent producers into one commit per window.
+
+    A window opens with its first record and closes once that record has waited
+    ``max_delay_ms`` and the previous window is published, or as soon as one more record
+    would take it past ``max_events`` events or ``max_bytes`` of bodies (a record is never
+    split: a bigger one is a window of its own). While a window commits the next one
+    gathers and writes its bodies, so a busy recorder makes bigger windows.
+    """
+
+    def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
+                 max_events: int = 10_000, max_bytes: int = 64 << 20) -> None:
+        if isinstance(max_delay_ms, bool) or not isinstance(max_delay_ms, int | float) \
+                or not math.isfinite(max_delay_ms) or max_delay_ms < 0:
+            raise ValidationError(f"recorder: max_delay_ms must be a number >= 0, got "
+                                  f"{max_delay_ms!r}")
+        for name, v in (("max_events", max_events), ("max_bytes", max_bytes)):
+            if type(v) is not int or v < 1:
+                raise ValidationError(f"recorder: {name} must be an int >= 1, got {v!r}")
+        if log.read_only:
+            raise PoimenError(f"{log.root} was opened read-only")
+        self.log = log
+        self.max_delay = max_delay_ms / 1000
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+        self.commits = 0  # window commits published (a fallback commit counts too)
+        self._cond = threading.Condition()
+        self._inbox: deque[_Record] = deque()
+        self._next_no = 1
+        self._done_no = 0  # every record numbered up to this one is resolved
+        self._flushing = 0  # flush() calls waiting: close windows without the delay
+        self._closed = False
+        self._ready: _Window | object | None = None  # closed window handed to the committer
+        self._busy = False  # the committer is publishing a window
+        # bodies this recorder committed lately (the gatherer reads, the committer writes)
+        self._known: OrderedDict[BlobKey, None] = OrderedDict()
+        self._gatherer = threading.Thread(target=self._gather_loop, daemon=True,
+                                          name="poimen-recorder-gather")
+        self._committer = threading.Thread(target=self._commit_loop, daemon=True,
+                                           name="poimen-recorder-commit")
+        self._gatherer.start()
+        self._committer.start()
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        return f"Recorder({self.log.root!r}, max_delay_ms={self.max_delay * 1000:g})"
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- producers -------------------------------------------------------------------
+
+    ref = staticmethod(blob_ref)
+
+    def record(self, events: Iterable[ev.Event], *,
+               blobs: Mapping[ev.BlobRef, bytes] | None = None) -> Future[CommitInfo]:
+        """Queue ``events`` (and the bodies they point at) for the next window.
+
+        ``blobs`` maps each new body's ref (``recorder.ref(tenant, data)``) to its bytes;
+        an event may also point at a body committed earlier. The future resolves to a
+        ``CommitInfo`` whose ``seq`` is the commit that made these events durable and
+        whose ``first_lsn..last_lsn`` are these events' LSNs; it fails with
+        ``ValidationError`` when one of them is bad (nothing of them is written, the
+        other producers' records are not affected). Safe from any thread; ``cancel()``
+        succeeds until the record joins a window.
+        """
+        with self._cond:
+            if self._closed:
+                raise PoimenError("recorder is closed")
+        try:
+            evs, bodies, nbytes = self._check(events, blobs)
+        except ValidationError as exc:
+            failed: Future[CommitInfo] = Future()
+            failed.set_exception(exc)
+            return failed
+        with self._cond:
+            if self._closed:
+                raise PoimenError("recorder is closed")
+            rec = _Record(self._next_no, evs, bodies, nbytes)
+            self._next_no += 1
+            self._inbox.append(rec)
+            self._cond.notify_all()
+        return rec.future
+
+    async def arecord(self, events: Iterable[ev.Event], *,
+                      blobs: Mapping[ev.BlobRef, bytes] | None = None) -> CommitInfo:
+        """``record`` for asyncio: await the commit without blocking the event loop."""
+        return await asyncio.wrap_future(self.record(events, blobs=blobs))
+
+    def _check(self, events: Iterable[ev.Event], blobs: Mapping[ev.BlobRef, bytes] | None
+               ) -> tuple[tuple[ev.Event, ...], dict[BlobKey, bytes], int]:
+        """What a transaction would reject whole, checked for this record alone."""
+        if isinstance(events, ev.Event):
+            raise ValidationError("record: events must be a sequence of events, not one")
+        evs = tuple(events)
+        seen: set[Any] = set()
+        for i, e in enumerate(evs):
+            ev.validate_event(e, i, seen)
+        bodies: dict[BlobKey, bytes] = {}
+        if blobs is not None and not isinstance(blobs, Mapping):
+            raise ValidationError("record: blobs must map BlobRef -> bytes")
+        for ref, data in (blobs or {}).items():
+            ev.check_ref(ref, "record", "blobs")
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise ValidationError(f"record: body of ref {ref.sha256[:12]}… must be "
+                                      f"bytes, got {type(data).__name__}")
+            data = bytes(data)
+            if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+                raise ValidationError(f"record: body given for ref {ref.sha256[:12]}… does "
+                                      "not match its sha256 and size")
+            bodies[(ref.tenant, ref.sha256)] = data
+        for i, e in enumerate(evs):
+            for name, ref in ev.event_refs(e):
+                body = bodies.get((ref.tenant, ref.sha256))
+                if body is not None and len(body) == ref.size:
+                    continue
+                if body is None and self.log.blobs.exists(ref):
+                    continue
+                raise ValidationError(
+                    f"event {i} ({e.kind}): field {name!r}: ref {ref.sha256[:12]}… of "
+                    f"tenant {ref.tenant!r} has no committed body of that size (pass the "
+                    "body in blobs=)")
+        return evs, bodies, sum(len(b) for b in bodies.values())
+
+    # -- draining --------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every record handed over before this call is resolved."""
+        with self._cond:
+            target = self._next_no - 1
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._done_no < target:
+                    self._cond.wait()
+            finally:
+                self._flushing -= 1
+
+    def close(self) -> None:
+        """Commit what was handed over, then stop; ``record`` refuses from now on."""
+        with self._cond:
+            if self._closed and not self._gatherer.is_alive() \
+                    and not self._committer.is_alive():
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() not in (self._gatherer, self._committer):
+            self._gatherer.join()
+            self._committer.join()
+        _LIVE.discard(self)
+
+    # -- the gatherer: opens a window, stages each record's bodies and events into it ---
+
+    def _gather_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._closed:
+                    self._cond.wait()
+                if not self._inbox:
+                    self._hand(_STOP)
+                    return
+            tx = self.log.transaction()
+            tx.io_pool, tx.max_io_in_flight = _BODY_IO, BODIES_IN_FLIGHT
+            win = _Window(tx, time.monotonic())
+            try:
+                self._fill(win)
+                self._close(win)
+            except BaseException as exc:  # noqa: BLE001 - its producers hear of it
+                win.poisoned = True
+                self._fail(win.records, exc)
+                win.records = []
+            with self._cond:
+                self._hand(win)
+
+    def _fill(self, win: _Window) -> None:
+        while True:
+            with self._cond:
+                rec = self._next_for(win)
+            if rec is None:
+                return
+            self._join(win, rec)
+
+    def _next_for(self, win: _Window) -> _Record | None:
+        """The next record for ``win``, or None when ``win`` should close (lock held)."""
+        while True:
+            if self._inbox:
+                rec = self._inbox[0]
+                if win.records and (win.n_events + len(rec.events) > self.max_events
+                                    or win.nbytes + rec.nbytes > self.max_bytes):
+                    return None
+                return self._inbox.popleft()
+            if not win.records:
+                return None  # every record so far was cancelled
+            idle = self._ready is None and not self._busy
+            left = win.opened + self.max_delay - time.monotonic()
+            if idle and (left <= 0 or self._flushing or self._closed):
+                return None
+            self._cond.wait(timeout=left if left > 0 else None)
+
+    def _join(self, win: _Window, rec: _Record) -> None:
+        win.last_no = rec.no
+        if not rec.future.set_running_or_notify_cancel():
+            return  # cancelled by its producer before joining
+        win.records.append(rec)
+        win.n_events += len(rec.events)
+        win.nbytes += rec.nbytes
+        if win.poisoned:
+            return
+        now = datetime.now(UTC)
+        win.events += rec.events
+        win.stamps += [now if e.ts is None else e.ts for e in rec.events]
+        try:
+            for key, data in rec.bodies.items():
+                # written in the background from now on; a body this recorder has not
+                # committed yet is staged without looking for a committed copy first
+                win.tx.put_blob(key[0], data, reuse=key in self._known)
+                win.keys.append(key)
+        except Exception:  # noqa: BLE001 - the commit then goes record by record
+            win.poisoned = True
+
+    @staticmethod
+    def _close(win: _Window) -> None:
+        """Hand the window's events to its transaction as one table: its segment is then
+        written in the background while the bodies land (see ``Transaction.extend``)."""
+        if win.poisoned or not win.events:
+            return
+        try:
+            win.tx.extend(events_to_table(win.events, win.stamps))
+        except Exception:  # noqa: BLE001 - the commit then goes record by record
+            win.poisoned = True
+
+    def _hand(self, win: _Window | object) -> None:
+        """Give a closed window (or the stop mark) to the committer (lock held)."""
+        while self._ready is not None:
+            self._cond.wait()
+        self._ready = win
+        self._cond.notify_all()
+
+    # -- the committer: publishes windows in order -------------------------------------
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._ready is None:
+                    self._cond.wait()
+                win, self._ready = self._ready, None
+                self._busy = True
+                self._cond.notify_all()
+            if win is _STOP:
+                return
+            assert isinstance(win, _Window)
+            try:
+                self._commit(win)
+            except BaseException as exc:  # noqa: BLE001 - never leave a future pending
+                self._fail(win.records, exc)
+            with self._cond:
+                self._busy = False
+                self._done_no = win.last_no  # windows are published in order
+                self._cond.notify_all()
+
+    def _commit(self, win: _Window) -> None:
+        if not win.records or win.poisoned:
+            win.tx.abort()
+            self._one_by_one(win.records)
+            return
+        try:
+            info = win.tx.commit()
+        except ValidationError:
+            self._one_by_one(win.records)  # a fault we did not see per record: isolate it
+            return
+        except BaseException as exc:  # noqa: BLE001 - storage failed: nothing landed
+            self._fail(win.records, exc)
+            return
+        self.commits += info.seq is not None
+        for key in win.keys:
+            self._known[key] = None
+            self._known.move_to_end(key)
+        while len(self._known) > KNOWN_BODIES:
+            self._known.popitem(last=False)
+        lsn = info.first_lsn
+        for rec in win.records:
+            n = len(rec.events)
+            rec.future.set_result(CommitInfo(info.seq, lsn, lsn + n - 1))
+            lsn += n
+
+    def _one_by_one(self, records: list[_Record]) -> None:
+        """Commit each record in its own transaction: a bad one fails alone."""
+        for rec in records:
+            try:
+                with self.log.transaction() as tx:
+                    for (tenant, _sha), data in rec.bodies.items():
+                        tx.put_blob(tenant, data)
+                    tx.extend(rec.events)
+            except BaseException as exc:  # noqa: BLE001 - handed to its producer
+                rec.future.set_exception(exc)
+                continue
+            assert tx.commit_info is not None
+            self.commits += tx.commit_info.seq is not None
+            rec.future.set_result(tx.commit_info)
+
+    @staticmethod
+    def _fail(records: list[_Record], exc: BaseException) -> None:
+        for rec in records:
+            if not rec.future.done():
+                rec.future.set_exception(exc)

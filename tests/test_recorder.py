@@ -1,0 +1,414 @@
+"""Group commit: many producers (threads and asyncio tasks) record through one recorder.
+
+Windows are made deterministic where a test counts commits: a huge ``max_delay_ms`` closes
+a window only by its limits or by ``flush``, after a rendezvous of every producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BUCKET, Root
+
+import poimen_data as pdm
+from poimen_data import events as E
+from poimen_data.fold._fold import VIEWS
+from poimen_data.log._recorder import Recorder, blob_ref
+
+CHILD = str(Path(__file__).with_name("child_recorder.py"))
+TS = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+SHARED = b"shared system output " * 200  # the same body in many records (deduplicated)
+NEVER = 10**9  # max_delay_ms: windows close only by their limits or by flush
+
+Rec = tuple[list[E.Event], dict[pdm.BlobRef, bytes]]
+
+
+def _plan(run: str, k: int) -> list[Rec]:
+    """One producer's records: a run with a failed attempt, a retry and a verdict."""
+    ts = iter(TS + timedelta(seconds=k, microseconds=j) for j in range(100))
+    p = f"prompt of {run} ✓ ".encode() * 300
+    pref, sref = blob_ref("acme", p), blob_ref("acme", SHARED)
+    return [
+        ([E.RunStarted("acme", run, "wf-1", labels={"p": run}, ts=next(ts)),
+          E.AttemptDispatched("acme", run, 0, "plan", 0, 1, prompt=pref,
+                              context=E.ContextPartition(("a",), ("b",), ()), ts=next(ts))],
+         {pref: p}),
+        ([E.AttemptFinished("acme", run, 0, "plan", 1, "failed", error="boom",
+                            usage=E.Usage(10, 5, cost_usd=Decimal("0.0125")), ts=next(ts))],
+         {}),
+        ([E.AttemptDispatched("acme", run, 0, "plan", 0, 2, prompt=pref, ts=next(ts))],
+         {pref: p}),  # passed again: the first record may not be committed yet
+        ([E.AttemptFinished("acme", run, 0, "plan", 2, "succeeded", output=sref,
+                            usage=E.Usage(7, 3, cost_usd=Decimal("0.5")), ts=next(ts)),
+          E.VerifyingEntered("acme", run, ts=next(ts))], {sref: SHARED}),
+        ([E.RunFinished("acme", run, "succeeded", ts=next(ts))], {}),
+    ]
+
+
+def _key(e: E.Event) -> tuple[str, str, datetime | None]:
+    return (e.kind, getattr(e, "run_id", ""), e.ts)
+
+
+def _rows(log: pdm.EventLog) -> list[tuple[str, str, datetime | None]]:
+    return [_key(E.event_from_row(r)) for r in log.read_events().to_pylist()]
+
+
+def _fold(log: pdm.EventLog) -> dict[str, list[tuple[Any, ...]]]:
+    con = pdm.connect(log)
+    try:
+        out = {v: con.execute(f"SELECT * FROM {v} ORDER BY ALL").fetchall() for v in VIEWS}
+        out["events"] = con.execute("SELECT * EXCLUDE (seq) FROM events ORDER BY lsn"
+                                    ).fetchall()
+        return out
+    finally:
+        con.close()
+
+
+def _thread_producer(rec: Recorder, run: str, k: int, wait_each: bool,
+                     barrier: threading.Barrier, out: dict[str, list[Future[Any]]]) -> None:
+    barrier.wait()
+    futs = []
+    for events, blobs in _plan(run, k):
+        f = rec.record(events, blobs=blobs)
+        futs.append(f)
+        if wait_each:
+            f.result()
+    out[run] = futs
+
+
+async def _task_producer(rec: Recorder, run: str, k: int, wait_each: bool
+                         ) -> list[pdm.CommitInfo]:
+    if wait_each:
+        return [await rec.arecord(events, blobs=blobs) for events, blobs in _plan(run, k)]
+    futs = [asyncio.wrap_future(rec.record(events, blobs=blobs))
+            for events, blobs in _plan(run, k)]
+    return list(await asyncio.gather(*futs))
+
+
+def test_64_threads_and_64_tasks_commit_in_order_and_fold_like_one_by_one(
+        tmp_path: Path) -> None:
+    log = pdm.open_log(str(tmp_path / "group"), durable=False)
+    n = 64
+    barrier = threading.Barrier(n + 1)
+    thread_futs: dict[str, list[Future[Any]]] = {}
+    task_infos: dict[str, list[pdm.CommitInfo]] = {}
+
+    async def tasks(rec: Recorder) -> None:
+        runs = [(f"a{i}", 1000 + i) for i in range(n)]
+        got = await asyncio.gather(*(_task_producer(rec, r, k, k % 2 == 0) for r, k in runs))
+        task_infos.update(zip([r for r, _ in runs], got, strict=True))
+
+    with log.recorder(max_delay_ms=5) as rec:
+        threads = [threading.Thread(target=_thread_producer,
+                                    args=(rec, f"t{i}", i, i % 2 == 0, barrier, thread_futs))
+                   for i in range(n)]
+        for t in threads:
+            t.start()
+
+        def loop() -> None:
+            barrier.wait()
+            asyncio.run(tasks(rec))
+
+        aio = threading.Thread(target=loop)
+        aio.start()
+        for t in [*threads, aio]:
+            t.join()
+    n_commits = rec.commits
+    infos = {run: [f.result(timeout=0) for f in fs] for run, fs in thread_futs.items()}
+    infos.update(task_infos)
+    assert len(infos) == 2 * n
+
+    events = log.read_events()
+    total = sum(len(evs) for run in infos for evs, _ in _plan(run, 0))
+    assert events.column("lsn").to_pylist() == list(range(1, total + 1))  # gapless
+    assert log.head_seq == n_commits < 5 * 2 * n  # windows held several records
+    rows = _rows(log)
+    seqs = events.column("seq").to_pylist()
+    ks = {f"t{i}": i for i in range(n)} | {f"a{i}": 1000 + i for i in range(n)}
+    for run, run_infos in infos.items():
+        plan = _plan(run, ks[run])
+        # every event once, in the producer's order
+        assert [r for r in rows if r[1] == run] == [_key(e) for evs, _ in plan for e in evs]
+        for (evs, _), info in zip(plan, run_infos, strict=True):
+            # the future names exactly this record's LSNs, all in the commit it names
+            assert info.last_lsn - info.first_lsn + 1 == len(evs)
+            assert rows[info.first_lsn - 1:info.last_lsn] == [_key(e) for e in evs]
+            assert set(seqs[info.first_lsn - 1:info.last_lsn]) == {info.seq}
+
+    # the same records committed one by one, in the order they landed, fold the same
+    order = sorted((info.first_lsn, run, i) for run, ri in infos.items()
+                   for i, info in enumerate(ri))
+    one = pdm.open_log(str(tmp_path / "one"), durable=False)
+    for _, run, i in order:
+        evs, blobs = _plan(run, ks[run])[i]
+        with one.transaction() as tx:
+            for ref, data in blobs.items():
+                assert tx.put_blob(ref.tenant, data) == ref
+            tx.extend(evs)
+    assert one.head_seq == 5 * 2 * n
+    folded = _fold(log)
+    assert folded == _fold(one)
+    assert len(folded["attempts"]) == 2 * 2 * n and len(folded["runs"]) == 2 * n
+    for run in ("t3", "a7"):
+        p = _plan(run, ks[run])
+        ref = next(iter(p[0][1]))
+        assert log.blobs.get(ref) == p[0][1][ref]
+    assert log.blobs.get(blob_ref("acme", SHARED)) == SHARED
+
+
+def _start(n: int) -> list[Rec]:
+    return [([E.RunStarted("acme", f"run-{i}", "wf-1")], {}) for i in range(n)]
+
+
+def test_bad_records_fail_alone_and_the_window_commits(root: Root) -> None:
+    log = root.open()
+    with log.transaction() as tx:
+        old = tx.put_blob("acme", b"committed earlier")
+    body = b"a body of its own"
+    ref = blob_ref("acme", body)
+    ghost = blob_ref("acme", b"never stored")
+    rec = log.recorder(max_delay_ms=NEVER)
+    good = [rec.record(evs) for evs, _ in _start(3)]
+    bad = {
+        "run_id": rec.record([E.RunStarted("acme", "bad id!", "wf-1")]),
+        "attempt_no": rec.record([E.RunStarted("acme", "ok-but", "wf-1"),
+                                  E.AttemptDispatched("acme", "ok-but", 0, "s", 0, 0)]),
+        "no committed body": rec.record([E.AttemptDispatched("acme", "g", 0, "s", 0, 1,
+                                                             prompt=ghost)]),
+        "does not match": rec.record([E.AttemptDispatched("acme", "m", 0, "s", 0, 1,
+                                                          prompt=ref)],
+                                     blobs={ref: b"other bytes"}),
+        "another tenant": rec.record([E.AttemptDispatched("acme", "x", 0, "s", 0, 1,
+                                                          prompt=blob_ref("zeta", body))],
+                                     blobs={blob_ref("zeta", body): body}),
+    }
+    good.append(rec.record([E.AttemptDispatched("acme", "run-0", 0, "s", 0, 1, prompt=ref),
+                            E.AttemptFinished("acme", "run-0", 0, "s", 1, "succeeded",
+                                              output=old)], blobs={ref: body}))
+    for what, f in bad.items():  # failed at once, before any commit
+        exc = f.exception(timeout=0)
+        assert isinstance(exc, pdm.ValidationError) and what in str(exc), (what, exc)
+    assert log.head_seq == 1
+    rec.flush()
+    infos = [f.result(timeout=0) for f in good]
+    assert [i.seq for i in infos] == [2] * 4 and log.head_seq == 2  # one commit
+    assert [(i.first_lsn, i.last_lsn) for i in infos] == [(1, 1), (2, 2), (3, 3), (4, 5)]
+    assert [r[:2] for r in _rows(log)] == [("run_started", "run-0"), ("run_started", "run-1"),
+                                           ("run_started", "run-2"),
+                                           ("attempt_dispatched", "run-0"),
+                                           ("attempt_finished", "run-0")]
+    assert log.blobs.get(ref) == body
+    rec.close()
+    with pytest.raises(pdm.PoimenError, match="closed"):
+        rec.record([])
+
+
+def test_a_window_the_transaction_rejects_is_committed_record_by_record(
+        tmp_path: Path) -> None:
+    """A body reduced between a record's own check and its window's commit: the
+    transaction rejects the window whole, so the recorder commits each record alone."""
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    with log.transaction() as tx:
+        old = tx.put_blob("acme", b"to be reduced")
+    rec = log.recorder(max_delay_ms=NEVER)
+    first = [rec.record(evs) for evs, _ in _start(2)]
+    doomed = rec.record([E.AttemptDispatched("acme", "run-0", 0, "s", 0, 1, prompt=old)])
+    last = rec.record([E.RunFinished("acme", "run-0", "succeeded")])
+    pdm.reduce(log, [old], lambda b: b"summary")  # lsn 1, seq 2
+    rec.flush()
+    assert isinstance(doomed.exception(timeout=0), pdm.ValidationError)
+    assert [(f.result(timeout=0).first_lsn, f.result(timeout=0).seq)
+            for f in [*first, last]] == [(2, 3), (3, 4), (4, 5)]
+    assert [r[:2] for r in _rows(log)] == [("blob_reduced", ""), ("run_started", "run-0"),
+                                           ("run_started", "run-1"), ("run_finished", "run-0")]
+    rec.close()
+
+
+def test_windows_close_at_their_limits_and_cancel_before_joining(tmp_path: Path) -> None:
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    two = [[E.RunStarted("acme", f"r{i}", "wf-1"), E.RunCancelled("acme", f"r{i}")]
+           for i in range(7)]
+    with log.recorder(max_delay_ms=NEVER, max_events=4) as rec:
+        futs = [rec.record(evs) for evs in two]
+        rec.flush()
+        assert [f.result(timeout=0).seq for f in futs] == [1, 1, 2, 2, 3, 3, 4]
+        body = b"x" * 100
+        big = rec.record([], blobs={blob_ref("acme", body): body})
+        with log.recorder(max_delay_ms=NEVER, max_bytes=150) as rec2:
+            f1 = rec2.record([], blobs={blob_ref("acme", b"y" * 100): b"y" * 100})
+            f2 = rec2.record([], blobs={blob_ref("acme", b"z" * 100): b"z" * 100})
+        assert f1.result(timeout=0).seq + 1 == f2.result(timeout=0).seq
+    assert big.result(timeout=0).seq == 7  # its window closed only with its recorder
+    assert log.head == 14
+
+
+def test_s3_many_producers_make_one_manifest(s3: Any) -> None:
+    import uuid
+
+    root = Root(f"s3://{BUCKET}/{uuid.uuid4().hex}", s3.storage_options, "s3")
+    log = root.open()
+    n = 16
+    barrier = threading.Barrier(n + 2)
+    futs: dict[str, list[Future[Any]]] = {}
+
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        def thread(i: int) -> None:
+            futs[f"t{i}"] = [rec.record(evs, blobs=b) for evs, b in _plan(f"t{i}", i)[:2]]
+            barrier.wait()
+
+        async def one(i: int) -> list[Future[Any]]:
+            return [rec.record(evs, blobs=b) for evs, b in _plan(f"a{i}", 100 + i)[:2]]
+
+        def aio() -> None:
+            async def main() -> None:
+                got = await asyncio.gather(*(one(i) for i in range(n)))
+                futs.update({f"a{i}": g for i, g in enumerate(got)})
+
+            asyncio.run(main())
+            barrier.wait()
+
+        threads = [threading.Thread(target=thread, args=(i,)) for i in range(n)]
+        threads.append(threading.Thread(target=aio))
+        for t in threads:
+            t.start()
+        barrier.wait()  # every producer has handed its records over
+        rec.flush()
+        assert rec.commits == 1
+        for t in threads:
+            t.join()
+    infos = [f.result(timeout=0) for fs in futs.values() for f in fs]
+    assert {i.seq for i in infos} == {1} and len(infos) == 4 * n
+    assert sorted(lsn for i in infos for lsn in range(i.first_lsn, i.last_lsn + 1)) \
+        == list(range(1, 6 * n + 1))
+    again = root.open()
+    assert again.head_seq == 1 and again.head == 6 * n
+    assert len(list(again.storage.walk_files("_log"))) == 1
+    p = _plan("a3", 103)[0][1]
+    ref = next(iter(p))
+    assert again.blobs.get(ref) == p[ref]
+
+
+# -- crash --------------------------------------------------------------------------------
+
+
+def _env(root: Root, crash_at: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("POIMEN_CRASH_AT", None)
+    if crash_at:
+        env["POIMEN_CRASH_AT"] = crash_at
+    if root.storage_options:
+        env["POIMEN_TEST_STORAGE_OPTIONS"] = json.dumps(root.storage_options)
+    return env
+
+
+def _parse(lines: list[bytes]) -> dict[str, tuple[int, int, int]]:
+    out = {}
+    for line in lines:
+        if line.endswith(b"\n"):  # a line cut by the kill is not a report
+            run, seq, first, last = line.decode().split()
+            out[run] = (int(seq), int(first), int(last))
+    return out
+
+
+CRASHES = [("local", "sigkill"), ("local", "blob_staged"), ("local", "segment_written"),
+           ("local", "manifest_published"), ("s3", "segment_written"),
+           ("s3", "manifest_published")]
+
+
+@pytest.mark.parametrize(("backend", "how"), CRASHES)
+def test_a_killed_recorder_loses_only_unresolved_records(request: pytest.FixtureRequest,
+                                                         tmp_path: Path, backend: str,
+                                                         how: str) -> None:
+    from child_recorder import prompt
+
+    if backend == "local":
+        root = Root(str(tmp_path / "log"), None, "local")
+    else:
+        import uuid
+
+        s3 = request.getfixturevalue("s3")
+        root = Root(f"s3://{BUCKET}/{uuid.uuid4().hex}", s3.storage_options, "s3")
+    root.open()
+    crash_at = None if how == "sigkill" else how
+    p = subprocess.Popen([sys.executable, CHILD, root.url, "8"], env=_env(root, crash_at),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    lines: list[bytes] = []
+    if how == "sigkill":
+        while len(lines) < 40:  # the rendezvous: 40 futures resolved, more in flight
+            line = p.stdout.readline()
+            assert line, p.stderr.read().decode()[-2000:] if p.stderr else ""
+            lines.append(line)
+        os.kill(p.pid, signal.SIGKILL)
+    out, err = p.communicate(timeout=120)
+    lines += out.splitlines(keepends=True)
+    assert p.returncode == (-signal.SIGKILL if how == "sigkill" else 137), err.decode()[-2000:]
+    resolved = _parse(lines)
+    if how == "sigkill":
+        assert len(resolved) >= 40
+    else:
+        assert resolved == {}  # the first window died before any future resolved
+
+    pdm.vacuum(root.open(), grace=0)
+    log = root.open()
+    events = log.read_events()
+    assert events.column("lsn").to_pylist() == list(range(1, log.head + 1))
+    rows = events.to_pylist()
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_run.setdefault(r["run_id"], []).append(r)
+    for run, (seq, first, last) in resolved.items():
+        assert [(r["lsn"], r["seq"]) for r in by_run[run]] == [(first, seq), (last, seq)]
+    for run, rs in by_run.items():  # resolved or not: whole, in one commit, with its body
+        assert [r["kind"] for r in rs] == ["run_started", "attempt_dispatched"], run
+        assert rs[1]["lsn"] == rs[0]["lsn"] + 1 and rs[0]["seq"] == rs[1]["seq"]
+        ref = E.event_from_row(rs[1]).prompt
+        assert ref is not None and log.blobs.get(ref) == prompt(run)
+    if how in ("blob_staged", "segment_written"):
+        assert log.head == 0
+    if how == "manifest_published":
+        assert log.head_seq == 1 and log.head > 0
+    covered = {(b.tenant, b.sha256) for m in log.manifests() for b in m.blobs}
+    assert {tuple(f.split("/")[1:4:2]) for f in log.storage.walk_files("blobs")} <= covered
+    assert list(log.storage.walk_files("_staging")) == []
+    listed = {s.path for m in log.manifests() for s in m.segments}
+    assert set(log.storage.walk_files("segments")) == listed
+
+
+def test_a_body_is_uploaded_once_per_recorder_and_staged_again_when_unknown(
+        root: Root) -> None:
+    log = root.open()
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"committed by another writer")
+    body = b"first seen by the recorder"
+    new = blob_ref("acme", body)
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        def dispatch(run: str, r: pdm.BlobRef, data: bytes) -> Future[pdm.CommitInfo]:
+            return rec.record([E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=r)],
+                              blobs={r: data})
+
+        f1 = [dispatch("a", new, body), dispatch("b", ref, b"committed by another writer")]
+        rec.flush()
+        f2 = [dispatch("c", new, body)]
+    assert [f.result(timeout=0).seq for f in f1 + f2] == [2, 2, 3]
+    staged = {m.seq: {b.sha256: b.staged is not None for b in m.blobs}
+              for m in log.manifests()}
+    # unknown to the recorder: staged (the other writer's body too, without a lookup);
+    # committed by its own earlier window: reused, not uploaded again
+    assert staged[2] == {new.sha256: True, ref.sha256: True}
+    assert staged[3] == {new.sha256: False}
+    again = root.open()
+    assert again.blobs.get(new) == body
+    assert again.blobs.get(ref) == b"committed by another writer"
