@@ -49,7 +49,7 @@ def branch_tree(view: EpisodeView, state_of: dict[tuple[int, str, int], str]) ->
     lane_of = {b.branch_id: n for n, b in enumerate(branches)}
     body = []
     for i, name in sorted(steps.items()):
-        body.append(f'<text x="{x[i]:.0f}" y="14" fill="#555">{esc(name)[:14]}</text>'
+        body.append(f'<text x="{x[i]:.0f}" y="14" fill="#555">{esc(name[:14])}</text>'
                     f'<title>{esc(name)}</title>')
     for b in branches:
         y = top + lane_of[b.branch_id] * lane
@@ -108,11 +108,11 @@ def failure_heatmap(rows: list[tuple[str, str, int, int, int]]) -> Markup | None
     cols = sorted(versions)
     left, cw, rh, top = 210, 64, 20, 22
     body = [f'<text x="{left + i * cw + cw / 2:.0f}" y="14" text-anchor="middle" '
-            f'fill="#555">{esc(v or "-")[:10]}</text>' for i, v in enumerate(cols)]
+            f'fill="#555">{esc((v or "-")[:10])}</text>' for i, v in enumerate(cols)]
     for r, key in enumerate(keys):
         y = top + r * rh
         body.append(f'<text x="{left - 6}" y="{y + 14}" text-anchor="end">'
-                    f'{esc(f"{key[0]} / {key[1]}")[:34]}</text>')
+                    f'{esc(f"{key[0]} / {key[1]}"[:34])}</text>')
         for c, ver in enumerate(cols):
             a, f = cells[key].get(ver, (0, 0))
             if not a:
