@@ -16,7 +16,7 @@ SYNTH_RUNS = 24
 REWOUND = "rewound-twice"
 XSS = "xss-run"
 JS_LINK = "jsrun"
-T = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+T = datetime(2025, 1, 6, 13, 10, tzinfo=UTC)  # just after the synthetic runs
 
 PAYLOADS = ('<script>window.__pwned=1;alert(1)</script>',
             '<img src=x onerror="window.__pwned=2;alert(2)">',
@@ -86,6 +86,16 @@ def _xss(log: pdm.EventLog) -> None:
         tx.append(E.VerdictRecorded(t, XSS, 0, "<script>window.__pwned=5</script>@1", 5,
                                     False, detail=PAYLOAD, ts=T))
         tx.append(E.RunStarted(t, JS_LINK, "javascript:alert(6)", ts=T))
+
+
+def xss_lsn(log: pdm.EventLog) -> int:
+    """The LSN of the first event of the XSS runs (the pages before it show none)."""
+    con = pdm.connect(log)
+    try:
+        return int(con.execute("select min(lsn) from events where run_id = ?",
+                               [XSS]).fetchall()[0][0])
+    finally:
+        con.close()
 
 
 def build(root: Path) -> pdm.EventLog:

@@ -44,7 +44,7 @@ def branch_tree(view: EpisodeView, state_of: dict[tuple[int, str, int], str]) ->
     if not steps:
         steps = {0: ""}
     first, last = min(0, *steps), max(steps)
-    cw, lane, left, top = max(44, 12 * most + 20), 34, 150, 34
+    cw, lane, left, top = max(64, 12 * most + 24), 34, 150, 34
     x = {i: left + (i - first) * cw + 10 for i in range(first, last + 1)}
     lane_of = {b.branch_id: n for n, b in enumerate(branches)}
     body = []
@@ -112,7 +112,7 @@ def failure_heatmap(rows: list[tuple[str, str, int, int, int]]) -> Markup | None
     for r, key in enumerate(keys):
         y = top + r * rh
         body.append(f'<text x="{left - 6}" y="{y + 14}" text-anchor="end">'
-                    f'{esc(f"{key[0]} / {key[1]}"[:34])}</text>')
+                    f'{esc(f"{key[0]} / {key[1]}"[:30])}</text>')
         for c, ver in enumerate(cols):
             a, f = cells[key].get(ver, (0, 0))
             if not a:
