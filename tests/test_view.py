@@ -320,7 +320,7 @@ def assert_inert(text: str) -> None:
     "/sql?q=select error, detail, verifier from attempts, verdicts "
     f"where attempts.run_id = '{XSS}' and verdicts.run_id = '{XSS}'",
     "/sql?q=select '<script>window.__pwned=1;alert(1)</script>' as x",
-    f"/runs/{XSS}/attempt?branch=0&n=1&step=<script>",
+    f"/runs/{XSS}/attempt?branch=0&n=1&step=<script>", f"/runs/{XSS}/labels",
 ])
 def test_payloads_from_the_log_are_escaped(client, url) -> None:
     r = client.get(url)
@@ -330,7 +330,9 @@ def test_payloads_from_the_log_are_escaped(client, url) -> None:
 
 def test_the_payloads_are_on_the_pages_as_text(client) -> None:
     page = client.get(f"/runs/{XSS}").text
-    assert str(escape(PAYLOADS[0])) in page                    # the step name and label
+    assert str(escape(PAYLOADS[0])) in page                    # the step name
+    labels = client.get(f"/runs/{XSS}/labels").text
+    assert f"<code>note={escape(PAYLOADS[0])}</code>" in labels
     assert "&lt;script&gt;window.__pwned=5&lt;/script&gt;@1" in page  # the verifier
     part = client.get(f"/runs/{XSS}/attempt",
                       params={"branch": 0, "n": 1, "step": PAYLOADS[0], "part": 1}).text

@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from poimen_data.bench import _view
 from poimen_data.bench._core import (
     Ctx,
     Goal,
@@ -814,4 +815,5 @@ SCENARIOS: list[Scenario] = [
     Scenario("grading", "grading", GOALS["grading"], grading),
     Scenario("export", "export", GOALS["export"], export),
     Scenario("s3_commit", "S3 commit", GOALS["s3_commit"], s3_commit),
+    Scenario("view", "viewer pages", _view.GOAL, _view.view),
 ]

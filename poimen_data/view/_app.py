@@ -207,6 +207,14 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
                       tree=svg.branch_tree(view, state_of), lsn=lsn,
                       at=lsn if asked else None, head=viewer.log.head)
 
+    def labels_part(request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        check_run_id(run_id, "view")
+        lsn, _ = viewer.lsn(request)
+        with viewer.con(lsn) as con:
+            labels = ep.run_labels(con, run_id)
+        return render(request, "_labels.html", labels=labels)
+
     def attempt_target(request: Request) -> tuple[Any, Any, int, int, bool]:
         run_id = request.path_params["run_id"]
         check_run_id(run_id, "view")
@@ -284,6 +292,7 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
     routes = [Route("/", guarded(runs_page)),
               Route("/runs/{run_id}", guarded(episode_page)),
               Route("/runs/{run_id}/attempt", guarded(attempt_page)),
+              Route("/runs/{run_id}/labels", guarded(labels_part)),
               Route("/runs/{run_id}/diff", guarded(diff_page)),
               Route("/sql", guarded(sql_page)),
               Route("/sql/download", guarded(sql_download)),

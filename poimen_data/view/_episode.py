@@ -108,14 +108,21 @@ def run_facts(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
                             "ORDER BY lsn, reason", {"r": run_id}).fetchall()
     recovered = con.execute("SELECT branch_id, step_id, attempt_no FROM attempts "
                             "WHERE run_id = $r AND recovered", {"r": run_id}).fetchall()
-    labels = con.execute("SELECT labels FROM events WHERE run_id = $r AND kind = 'run_started' "
-                         "ORDER BY lsn DESC LIMIT 1", {"r": run_id}).fetchall()
     return {"run": dict(zip(cols, row[0], strict=True)) if row else None,
-            "labels": sorted((labels[0][0] or {}).items()) if labels else [],
             "verdicts": [dict(zip(("verifier", "branch_id", "snapshot_lsn", "passed", "score",
                                    "detail", "lsn"), v, strict=True)) for v in verdicts],
             "anomalies": anomalies,
             "recovered": {(int(b), str(s), int(n)) for b, s, n in recovered}}
+
+
+def run_labels(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str, str]]:
+    """The labels of the run's (last) run_started: a scan of ``events``, so the episode
+    page asks for them only when the user opens them."""
+    rows = con.execute("SELECT lsn, labels FROM events WHERE run_id = $r AND "
+                       "kind = 'run_started'", {"r": run_id}).fetchall()
+    if not rows:
+        return []
+    return sorted((max(rows, key=lambda r: r[0])[1] or {}).items())
 
 
 def find_attempt(view: EpisodeView, branch_id: int, step: str, attempt: int) -> AttemptView:
