@@ -140,11 +140,25 @@ def test_facet_counts_leave_out_their_own_filter(client, log) -> None:
     assert {k: int(v) for k, v in shown.items()} == expected
 
 
-def test_charts_are_server_side_svg(client) -> None:
+def test_charts_are_server_side_svg(client, log) -> None:
     r = client.get("/")
     assert r.text.count("<svg") == 2
     assert 'aria-label="failure rate by step and workflow version"' in r.text
     assert 'aria-label="cost of runs by start time"' in r.text
+    bars = re.findall(r"<title>[^<]*: (\d+) runs, \$([0-9.]+)</title></rect>", r.text)
+    (n, cost), = sql(log, "select count(*), sum(cost_usd) from runs "
+                          "where started_at is not null")
+    assert sum(int(b) for b, _ in bars) == n
+    assert abs(sum(float(c) for _, c in bars) - float(cost)) < 1e-3
+    cells = re.findall(r"<title>(\S+) (\S+): (\d+) of (\d+) attempts failed", r.text)
+    expected = sql(log, "select step_id, workflow_version, count(*) filter (where state in "
+                        "('failed', 'timed_out')), count(*) from attempts where "
+                        "workflow_version like '%@%' group by all")
+    assert {(s_, v.split("@")[1], int(f), int(a)) for s_, v, f, a in expected} <= {
+        (s_, v, int(f), int(a)) for s_, v, f, a in cells}
+    failed = client.get("/", params={"state": "failed"})
+    assert sum(int(b) for b in re.findall(r": (\d+) runs, \$", failed.text)) == total(
+        failed.text)
 
 
 @pytest.mark.parametrize(("params", "message"), [

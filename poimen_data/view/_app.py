@@ -178,11 +178,10 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
             rows = rq.page(con, q)
             verifiers = rq.verifiers(con)
             heat = svg.failure_heatmap(rq.failure_rates(con, q.filter))
-            cost = None
-            if facets.started_lo is not None and facets.started_hi is not None:
-                width, buckets = rq.cost_over_time(con, q.filter, facets.started_lo,
-                                                   facets.started_hi)
-                cost = svg.cost_bars(facets.started_lo, width, buckets)
+        cost = None
+        if facets.started_lo is not None:
+            cost = svg.cost_bars(facets.started_lo, facets.bucket_s, facets.cost,
+                                 rq.COST_BUCKETS)
         keep = {**q.filter.params(), "sort": q.sort, "dir": q.direction,
                 "limit": q.limit, "at_lsn": lsn if asked else None}
         pages = max(1, -(-facets.total // q.limit))

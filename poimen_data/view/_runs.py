@@ -180,40 +180,58 @@ def where_all(conds: dict[str, str]) -> str:
     return " AND ".join(f"({c})" for c in conds.values())
 
 
+#: Time buckets of the cost chart.
+COST_BUCKETS = 30
+
+
 @dataclass(frozen=True)
 class Facets:
     total: int
     counts: dict[str, list[tuple[str | None, int]]]
     started_lo: float | None
-    started_hi: float | None
+    bucket_s: float
+    cost: list[tuple[int, Decimal, int]]   # (time bucket, cost, runs) of the matching runs
 
 
 def facets(con: duckdb.DuckDBPyConnection, f: RunFilter) -> Facets:
     """The total, each facet's counts under every other filter (so a chosen value still
-    shows its alternatives), and the matching runs' start-time range: one scan."""
+    shows its alternatives), and the matching runs' cost by start-time bucket: one
+    scan of ``runs``."""
     conds, params = conditions(f)
     flags = ", ".join(f"({c}) AS c_{k}" for k, c in conds.items())
     parts = []
     for name in FACETS:
         others = " AND ".join(f"c_{k}" for k in conds if k != name)
         parts.append(f"SELECT '{name}' AS facet, {name}::VARCHAR AS value, count(*) AS n, "
-                     f"NULL::DOUBLE AS lo, NULL::DOUBLE AS hi FROM f WHERE {others} "
-                     f"GROUP BY {name}")
+                     f"NULL::DECIMAL(38, 9) AS cost FROM f WHERE {others} GROUP BY {name}")
     every = " AND ".join(f"c_{k}" for k in conds)
-    parts.append("SELECT 'total', NULL, count(*), min(epoch(started_at)), "
-                 f"max(epoch(started_at)) FROM f WHERE {every}")
-    sql = (f"WITH f AS MATERIALIZED (SELECT state, tenant, workflow_version, started_at, "
-           f"{flags} FROM runs) " + " UNION ALL ".join(parts))
+    parts.append(f"SELECT 'total', NULL, count(*), NULL FROM f WHERE {every}")
+    parts.append("SELECT 'lo', min(t)::VARCHAR, 0, NULL FROM f WHERE " + every)
+    parts.append("SELECT 'width', ((max(t) - min(t)) / $buckets)::VARCHAR, 0, NULL FROM f "
+                 f"WHERE {every}")
+    parts.append(
+        f"SELECT 'cost', least(floor((t - r.lo) / greatest(r.w, 1e-6)), $buckets - 1)"
+        f"::BIGINT::VARCHAR, count(*), coalesce(sum(cost_usd), 0) FROM f, "
+        f"(SELECT min(t) AS lo, (max(t) - min(t)) / $buckets AS w FROM f WHERE {every}) r "
+        f"WHERE {every} AND t IS NOT NULL GROUP BY 2")
+    sql = (f"WITH f AS MATERIALIZED (SELECT state, tenant, workflow_version, cost_usd, "
+           f"epoch(started_at) AS t, {flags} FROM runs) " + " UNION ALL ".join(parts))
     counts: dict[str, list[tuple[str | None, int]]] = {k: [] for k in FACETS}
-    total, lo, hi = 0, None, None
-    for facet, value, n, lo_, hi_ in con.execute(sql, params).fetchall():
+    total, lo, width, cost = 0, None, 0.0, []
+    for facet, value, n, c in con.execute(sql, {**params, "buckets": COST_BUCKETS}).fetchall():
         if facet == "total":
-            total, lo, hi = int(n), lo_, hi_
+            total = int(n)
+        elif facet == "lo":
+            lo = None if value is None else float(value)
+        elif facet == "width":
+            width = 0.0 if value is None else float(value)
+        elif facet == "cost":
+            cost.append((int(value), Decimal(c), int(n)))
         else:
             counts[facet].append((value, int(n)))
     for k in counts:
         counts[k].sort(key=lambda vn: (-vn[1], vn[0] or ""))
-    return Facets(total, counts, lo, hi)
+    return Facets(total, counts, lo, max(width, 1e-6), sorted(cost))
 
 
 PAGE_COLUMNS = ("run_id", "state", "tenant", "workflow_version", "live_branch", "n_branches",
@@ -267,16 +285,3 @@ def failure_rates(con: duckdb.DuckDBPyConnection, f: RunFilter
         f"count(*) FILTER (WHERE state IN {FAILED}) FROM attempts {scope} "
         "GROUP BY ALL ORDER BY 1, 3, 2", params).fetchall()
     return [(str(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in rows]
-
-
-def cost_over_time(con: duckdb.DuckDBPyConnection, f: RunFilter, lo: float, hi: float,
-                   buckets: int = 30) -> tuple[float, list[tuple[int, Decimal, int]]]:
-    """(bucket width in seconds, [(bucket, cost, runs)]) of the matching runs by start."""
-    conds, params = conditions(f)
-    width = max((hi - lo) / buckets, 1e-6)
-    rows = con.execute(
-        f"SELECT least(floor((epoch(started_at) - $lo) / $width)::BIGINT, {buckets - 1}) "
-        "AS b, coalesce(sum(cost_usd), 0), count(*) FROM runs "
-        f"WHERE started_at IS NOT NULL AND {where_all(conds)} GROUP BY b ORDER BY b",
-        {**params, "lo": lo, "width": width}).fetchall()
-    return width, [(int(b), Decimal(c), int(n)) for b, c, n in rows]
