@@ -566,8 +566,10 @@ def view(host: Annotated[str, typer.Option(
     def ready(url: str) -> None:
         if not url:
             return  # uvicorn has printed why it could not listen
-        out.print(f"poimen view: {url}  (root {log.root}; Ctrl-C stops)", markup=False,
-                  highlight=False)
+        print(f"poimen view: {url}  (root {log.root}; Ctrl-C stops)", flush=True)
+        if host not in hosts:
+            err.print(f"warning: listening on {host}: anyone who can reach this address can "
+                      "read the log", markup=False)
         if not no_open:
             webbrowser.open(url)
 
