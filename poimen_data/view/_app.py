@@ -20,6 +20,7 @@ from urllib.parse import quote, urlencode
 import duckdb
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
@@ -154,8 +155,6 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
 
     def guarded(fn: Callable[[Request], Response]) -> Handler:
         async def endpoint(request: Request) -> Response:
-            from starlette.concurrency import run_in_threadpool
-
             try:
                 return await run_in_threadpool(fn, request)
             except (rq.BadRequest, ValidationError, sq.QueryRefused) as exc:
