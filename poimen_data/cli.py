@@ -700,6 +700,41 @@ def bench(quick: Annotated[bool, typer.Option(help="Small sizes: under a minute.
     raise typer.Exit(_bench.run_cli(quick, json_path, only, work_dir))
 
 
+@command("view", "poimen view --port 8000 --no-open")
+def view(host: Annotated[str, typer.Option(
+             help="Address to listen on (loopback unless you say otherwise).")] = "127.0.0.1",
+         port: Annotated[int, typer.Option(min=0, max=65535,
+                                           help="Port (0 picks a free one).")] = 0,
+         no_open: Annotated[bool, typer.Option(
+             "--no-open", help="Do not open a browser.")] = False,
+         root: Root = DEFAULT_ROOT) -> None:
+    """Browse runs, episodes and attempts in a local web page, and run read-only SQL.
+    Prints its URL; never writes to the log. Ctrl-C stops it."""
+    import webbrowser
+
+    from poimen_data.view import create_app, serve
+
+    try:
+        log = pdm.open_log(root, create=False, read_only=True)
+    except pdm.NotFound:
+        fail(f"no poimen log at {root} (make one with `poimen demo --root {root}`, or "
+             "pass --root / set POIMEN_ROOT)")
+    hosts = ("127.0.0.1", "localhost", "::1", "[::1]")
+    app = create_app(log, allowed_hosts=hosts if host in hosts else ("*",))
+
+    def ready(url: str) -> None:
+        if not url:
+            return  # uvicorn has printed why it could not listen
+        print(f"poimen view: {url}  (root {log.root}; Ctrl-C stops)", flush=True)
+        if host not in hosts:
+            err.print(f"warning: listening on {host}: anyone who can reach this address can "
+                      "read the log", markup=False)
+        if not no_open:
+            webbrowser.open(url)
+
+    serve(app, host=host, port=port, on_ready=ready)
+
+
 def main() -> None:
     """Console-script entry point (``poimen``)."""
     app()

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from poimen_data.bench import _recorder as _rec
-from poimen_data.bench import _scale_fold, _scale_sql
+from poimen_data.bench import _scale_fold, _scale_sql, _view
 from poimen_data.bench._core import (
     Ctx,
     Goal,
@@ -334,7 +334,7 @@ def open_log_scenario(ctx: Ctx) -> Result:
 def _scan(root: Path) -> list[tuple[Any, ...]]:
     """What a data scientist's first query costs: open the log, connect, and aggregate
     every event (reads, verifies and scans each segment)."""
-    from poimen_data.fold._fold import connect
+    from poimen_data.fold._connect import connect
 
     con = connect(_open(root, create=False))
     try:
@@ -628,7 +628,8 @@ def grading(ctx: Ctx) -> Result:
     recording verdicts."""
     import math
 
-    from poimen_data.fold._fold import connect, fold_tables
+    from poimen_data.fold._connect import connect
+    from poimen_data.fold._fold import fold_tables
     from poimen_data.fold._query import episodes_from_tables
     from poimen_data.jobs._grade import VerifierCtx, grade
     from poimen_data.jobs.verifiers import exit_code
@@ -678,7 +679,7 @@ def export(ctx: Ctx) -> Result:
     """Bytes/s of ``export_live(format="jsonl")`` from a local log against reading the
     same bodies (every prompt and output of every exported record, as the export writes
     them) from disk with a thread pool of the same width (8)."""
-    from poimen_data.fold._fold import connect
+    from poimen_data.fold._connect import connect
     from poimen_data.jobs._export import export_live
     from poimen_data.log._manifest import blob_path
     from poimen_data.workload.synth import generate
@@ -829,4 +830,5 @@ SCENARIOS: list[Scenario] = [
     Scenario("group_commit_s3", "group commit S3", _rec.GOALS["group_commit_s3"],
              _rec.group_commit_s3),
     Scenario("s3_writers", "S3 writers", _rec.GOALS["s3_writers"], _rec.s3_writers),
+    Scenario("view", "viewer pages", _view.GOAL, _view.view),
 ]

@@ -7,7 +7,8 @@ Imports ``model``, ``storage`` and ``log``; ``jobs`` and the face build on it.
 from __future__ import annotations
 
 from poimen_data.fold._check import CheckReport, check
-from poimen_data.fold._fold import FOLD_VERSION, VIEW_SQL, VIEWS, connect, view_sql
+from poimen_data.fold._connect import connect
+from poimen_data.fold._fold import FOLD_VERSION, VIEW_SQL, VIEWS, view_sql
 from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, episode
 from poimen_data.fold._state import MaterializeReport, materialize
 

@@ -22,7 +22,7 @@ import duckdb
 import pyarrow as pa
 
 from poimen_data.errors import ValidationError
-from poimen_data.log._log import EventLog, as_log
+from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
 
 #: Run-level kinds and the run state each one leaves behind (docs/DESIGN.md, "Domain").
@@ -376,34 +376,6 @@ def run_events(log: EventLog, run_ids: Sequence[str] | pa.Array, *, at_lsn: int,
 Source = Literal["auto", "state", "log"]
 
 
-def connect(
-    root_or_log: EventLog | str | os.PathLike[str],
-    at_lsn: int | None = None,
-    *,
-    source: Source = "auto",
-    memory_limit: int | str | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with the views of the log as it stood at ``at_lsn`` (default:
-    the head). The connection is the caller's to close.
-
-    ``source="auto"`` serves each view from the materialized state (the parquet files its
-    pointer names) plus a fold of the runs that commits after it touched, so opening costs
-    the tail, not the log; with no usable state, or one newer than ``at_lsn``, the views
-    fold the log. ``"state"`` requires a state made at exactly ``at_lsn`` (else
-    ``NotFound``); ``"log"`` always folds the log. Either way the rows are those of a cold
-    fold. ``events`` streams the segments on each scan (never held in memory);
-    ``getvariable('poimen_source')`` says what served the views. ``memory_limit`` caps
-    DuckDB (default ``$POIMEN_MEMORY_LIMIT``, else a quarter of the machine), which
-    spills to a temp directory beyond it. ``blob_text(ref)`` reads a body only when a
-    query calls it, through ``log.blobs`` as it is at call time.
-    """
-    from poimen_data.fold._sql import open_views  # builds on this module and the state
-
-    return open_views(as_log(root_or_log, storage_options=storage_options), at_lsn,
-                      source=source, memory=memory_limit)
-
-
 def register_blob_text(con: duckdb.DuckDBPyConnection, log: EventLog) -> None:
     """``blob_text(ref)``: the body of a ref as text (None once reduced), read at call
     time through ``log.blobs`` (so a counting wrapper installed later sees the calls)."""
@@ -425,6 +397,6 @@ def view_sql(name: str) -> str:
     return VIEW_SQL[name]
 
 
-__all__ = ["FOLD_VERSION", "MEMORY_ENV", "TABLE_KEYS", "VIEWS", "VIEW_SQL", "connect",
+__all__ = ["FOLD_VERSION", "MEMORY_ENV", "TABLE_KEYS", "VIEWS", "VIEW_SQL",
            "create_fold_tables", "fold_tables", "memory_limit", "new_connection", "run_events",
            "view_sql"]

@@ -54,7 +54,7 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[Verifie
     """
     import pyarrow as pa
 
-    from poimen_data.fold._fold import connect
+    from poimen_data.fold._connect import connect
 
     con = connect(log, at_lsn=head)
     try:

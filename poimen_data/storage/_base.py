@@ -62,6 +62,16 @@ class Storage(ABC):
         """A URL for ``rel`` that other fsspec users (DuckDB, pyarrow) can open."""
         return f"{self.kind}://{self.full(rel).lstrip('/')}"
 
+    def arrow_dataset(self, rels: list[str], *, format: str = "parquet") -> Any:
+        """A ``pyarrow.dataset`` over these files, read through this storage's filesystem:
+        what another engine (DuckDB) scans as a Python-registered table, so it needs no
+        file access of its own (and a locked-down connection can still read it)."""
+        import pyarrow.dataset as ds
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        fs: Any = None if self.kind == "local" else PyFileSystem(FSSpecHandler(self.fs))
+        return ds.dataset([self.full(r) for r in rels], format=format, filesystem=fs)
+
     def _require_writable(self) -> None:
         if not self.writable:
             raise PoimenError(

@@ -185,3 +185,4 @@ def _report(out: Console, log: Any, s: Any, results: list[st.StageResult],
     for title, q in QUERIES:
         out.print(f"  # {title}\n  poimen sql \"{q}\"", soft_wrap=True, highlight=False)
     out.print("  poimen show <run_id> --all-branches     # one episode, every branch")
+    out.print("  poimen view                             # browse runs and episodes in a web page")

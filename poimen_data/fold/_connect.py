@@ -20,12 +20,13 @@ from poimen_data.fold._fold import (
     PER_RUN_TABLES,
     TABLE_KEYS,
     VIEW_SQL,
+    Source,
     new_connection,
     register_blob_text,
     run_events,
 )
 from poimen_data.fold._state import INDEX, Pointer, locate, usable_pointer
-from poimen_data.log._log import EventLog
+from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model import _events as ev
 
 SOURCES = ("auto", "state", "log")
@@ -52,18 +53,19 @@ class EventStream:
         return reader.__arrow_c_stream__(requested_schema)
 
 
-def _quote(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
-
-
-def _files_sql(log: EventLog, ptr: Pointer, table: str) -> str | None:
-    """``read_parquet([...])`` over exactly the files the pointer lists, or None. A file a
-    newer generation moved aside is read from where it went; the connection keeps these
-    paths, so it survives one concurrent publish (reconnect to see the newer state)."""
-    files = [log.storage.url_of(locate(log, f, ptr)) for f in ptr.tables.get(table, ())]
+def _files_sql(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
+               table: str) -> str | None:
+    """The name of a scan over exactly the files the pointer lists (None when there are
+    none), registered from Python as an Arrow dataset: DuckDB itself opens no file, so a
+    connection locked down to the outside (``poimen sql``, the viewer) still reads the
+    state. A file a newer generation moved aside is read from where it went; the dataset
+    keeps these paths, so the connection survives one concurrent publish."""
+    files = [locate(log, f, ptr) for f in ptr.tables.get(table, ())]
     if not files:
         return None
-    return f"read_parquet([{', '.join(_quote(f) for f in files)}])"
+    name = f"{_PREFIX}_state_{table}"
+    con.register(name, log.storage.arrow_dataset(files))
+    return name
 
 
 def _load(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> None:
@@ -86,7 +88,7 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
     con.execute(f"CREATE SCHEMA {TAIL}")
     _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
     touched = pc.unique(new.column("run_id").drop_null())
-    index = _files_sql(log, ptr, INDEX)
+    index = _files_sql(con, log, ptr, INDEX)
     lo = ptr.lsn + 1
     if len(touched) and index is None and ptr.tables.get("runs"):
         lo = 1  # no run index: the touched runs' first events may be anywhere
@@ -106,14 +108,12 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
 def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
                  lsn: int) -> None:
     """Create the views over the state's files, topped up with the tail's fold."""
-    if log.storage.kind != "local":
-        con.register_filesystem(log.storage.fs)
     tail = ptr.lsn < lsn
     if tail:
         tail_views(con, log, ptr, lsn)
     for t, sql in VIEW_SQL.items():  # in dependency order, for the empty ones
         # A table with no file is the fold's text over no rows (DuckDB never scans for it).
-        src = _files_sql(log, ptr, t) or f"(SELECT * FROM ({sql}) WHERE false)"
+        src = _files_sql(con, log, ptr, t) or f"(SELECT * FROM ({sql}) WHERE false)"
         body = f"SELECT * FROM {src}"
         if tail:
             if t in PER_RUN_TABLES:
@@ -193,4 +193,32 @@ def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
     return con
 
 
-__all__ = ["SOURCES", "TAIL", "EventStream", "open_views", "tail_views"]
+
+
+def connect(
+    root_or_log: LogLike,
+    at_lsn: int | None = None,
+    *,
+    source: Source = "auto",
+    memory_limit: int | str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the views of the log as it stood at ``at_lsn`` (default:
+    the head). The connection is the caller's to close.
+
+    ``source="auto"`` serves each view from the materialized state (the parquet files its
+    pointer names) plus a fold of the runs that commits after it touched, so opening costs
+    the tail, not the log; with no usable state, or one newer than ``at_lsn``, the views
+    fold the log. ``"state"`` requires a state made at exactly ``at_lsn`` (else
+    ``NotFound``); ``"log"`` always folds the log. Either way the rows are those of a cold
+    fold. ``events`` streams the segments on each scan (never held in memory);
+    ``getvariable('poimen_source')`` says what served the views. ``memory_limit`` caps
+    DuckDB (default ``$POIMEN_MEMORY_LIMIT``, else a quarter of the machine), which
+    spills to a temp directory beyond it. ``blob_text(ref)`` reads a body only when a
+    query calls it, through ``log.blobs`` as it is at call time.
+    """
+    return open_views(as_log(root_or_log, storage_options=storage_options), at_lsn,
+                      source=source, memory=memory_limit)
+
+
+__all__ = ["SOURCES", "TAIL", "EventStream", "connect", "open_views", "tail_views"]

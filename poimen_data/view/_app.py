@@ -1,0 +1,312 @@
+"""The ``poimen view`` web app: Starlette routes over a read-only log.
+
+Pages are rendered on the server (Jinja2, autoescaped); the only script is the small
+inline one that fetches an attempt's bodies when it is opened. Each response carries a
+Content-Security-Policy that allows that script by nonce and nothing else. Bad input of
+any kind answers with an error page of one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import duckdb
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from poimen_data.errors import NotFound, PoimenError, ValidationError
+from poimen_data.fold._connect import connect
+from poimen_data.fold._query import episode
+from poimen_data.log._blobs import BlobStore
+from poimen_data.log._log import EventLog, LogLike, as_log
+from poimen_data.model._events import check_run_id
+from poimen_data.view import _episode as ep
+from poimen_data.view import _runs as rq
+from poimen_data.view import _sql as sq
+from poimen_data.view import _svg as svg
+
+TEMPLATES = Path(__file__).parent / "templates"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+#: Connections kept per LSN (a new head makes a new one; old ones are closed).
+KEEP_CONNECTIONS = 3
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Viewer:
+    """The app's state: the log, the blob store bodies are read through, and a few
+    DuckDB connections by LSN (one lock each: a connection serves one query at a time)."""
+
+    def __init__(self, log: EventLog, *, blobs: BlobStore | None = None) -> None:
+        self.log = log
+        self.blobs: BlobStore = blobs if blobs is not None else log.blobs
+        self._lock = threading.Lock()
+        self._cons: dict[str, OrderedDict[int, tuple[Any, threading.Lock]]] = {
+            "views": OrderedDict(), "sql": OrderedDict()}
+
+    def lsn(self, request: Request) -> tuple[int, bool]:
+        """(the LSN to read at, whether the user asked for it) from ``?at_lsn=``."""
+        raw = request.query_params.get("at_lsn", "").strip()
+        head = self.log.head
+        if not raw:
+            return head, False
+        try:
+            lsn = int(raw)
+        except ValueError:
+            raise ValidationError(f"at_lsn must be a whole number, got {raw!r}") from None
+        if not 0 <= lsn <= head:
+            raise ValidationError(f"at_lsn {lsn} is outside 0..{head}")
+        return lsn, True
+
+    @contextmanager
+    def con(self, lsn: int, kind: str = "views") -> Iterator[duckdb.DuckDBPyConnection]:
+        cache = self._cons[kind]
+        with self._lock:
+            entry = cache.get(lsn)
+            if entry is None:
+                con = connect(self.log, at_lsn=lsn) if kind == "views" else \
+                    sq.sandbox(self.log, lsn)
+                entry = (con, threading.Lock())
+                cache[lsn] = entry
+                while len(cache) > KEEP_CONNECTIONS:
+                    _, (old, old_lock) = cache.popitem(last=False)
+                    with old_lock:
+                        old.close()
+            cache.move_to_end(lsn)
+        con, lock = entry
+        with lock:
+            yield con
+
+    def close(self) -> None:
+        with self._lock:
+            for cache in self._cons.values():
+                for con, lock in cache.values():
+                    with lock:
+                        con.close()
+                cache.clear()
+
+
+def _env() -> Environment:
+    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(
+        ["html"], default=True), trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(colors=svg.COLORS, states=ep.ATTEMPT_STATES, run_url=run_url,
+                       link=link, money=money, when=when, size=size)
+    return env
+
+
+def run_url(run_id: str) -> str:
+    return "/runs/" + quote(run_id, safe="")
+
+
+def link(path: str, params: dict[str, Any]) -> str:
+    keep = {k: v for k, v in params.items() if v is not None and v != ""}
+    return path + ("?" + urlencode(keep) if keep else "")
+
+
+def money(v: Any) -> str:
+    return "" if v is None else f"${v:,.4f}"
+
+
+def when(v: Any) -> str:
+    return "" if v is None else v.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def size(n: int | None) -> str:
+    if n is None:
+        return ""
+    for div, unit in ((1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def create_app(log: LogLike, *, blobs: BlobStore | None = None,
+               storage_options: dict[str, Any] | None = None,
+               allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS) -> Starlette:
+    """The viewer over ``log``, opened read-only when given a root. ``blobs`` is the
+    store bodies are read through (a ``CountingBlobStore`` in tests); ``allowed_hosts``
+    are the Host headers answered (loopback names by default: a page on another site
+    cannot reach the viewer through DNS rebinding)."""
+    if not isinstance(log, EventLog):
+        from poimen_data.log._log import open_log
+
+        log = open_log(log, storage_options, create=False, read_only=True)
+    viewer = Viewer(as_log(log), blobs=blobs)
+    env = _env()
+
+    def render(request: Request, name: str, code: int = 200, **ctx: Any) -> Response:
+        nonce = secrets.token_urlsafe(12)
+        page = env.get_template(name).render(nonce=nonce, root=viewer.log.root,
+                                              path=request.url.path, **ctx)
+        return HTMLResponse(page, status_code=code, headers=headers(nonce))
+
+    def guarded(fn: Callable[[Request], Response]) -> Handler:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await run_in_threadpool(fn, request)
+            except (rq.BadRequest, ValidationError, sq.QueryRefused) as exc:
+                return error(request, 400, exc)
+            except NotFound as exc:
+                return error(request, 404, exc)
+            except (PoimenError, duckdb.Error) as exc:
+                return error(request, 500, exc)
+        return endpoint
+
+    def error(request: Request, status: int, exc: BaseException) -> Response:
+        return render(request, "error.html", status, status=status,
+                      message=sq.one_line(exc))
+
+    def runs_page(request: Request) -> Response:
+        lsn, asked = viewer.lsn(request)
+        q = rq.parse_query(request.query_params)
+        with viewer.con(lsn) as con:
+            facets = rq.facets(con, q.filter)
+            rows = rq.page(con, q)
+            verifiers = rq.verifiers(con)
+            heat = svg.failure_heatmap(rq.failure_rates(con, q.filter))
+        cost = None
+        if facets.started_lo is not None:
+            cost = svg.cost_bars(facets.started_lo, facets.bucket_s, facets.cost,
+                                 rq.COST_BUCKETS)
+        keep = {**q.filter.params(), "sort": q.sort, "dir": q.direction,
+                "limit": q.limit, "at_lsn": lsn if asked else None}
+        pages = max(1, -(-facets.total // q.limit))
+        return render(request, "runs.html", q=q, f=q.filter, facets=facets, rows=rows,
+                      verifiers=verifiers, heat=heat, cost=cost, keep=keep, pages=pages,
+                      sorts=rq.SORTS, sizes=rq.PAGE_SIZES, lsn=lsn, asked=asked,
+                      at=lsn if asked else None, head=viewer.log.head)
+
+    def episode_page(request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        check_run_id(run_id, "view")
+        lsn, asked = viewer.lsn(request)
+        view = episode(viewer.log, run_id, all_branches=True, at_lsn=lsn)
+        with viewer.con(lsn) as con:
+            facts = ep.run_facts(con, run_id)
+        recovered = facts["recovered"]
+        state_of = {(b.branch_id, a.step, a.attempt): ep.display_state(a, recovered,
+                                                                        b.branch_id)
+                    for b in view.branches for a in b.attempts}
+        return render(request, "episode.html", view=view, facts=facts,
+                      branches=ep.branch_pages(view, recovered), state_of=state_of,
+                      tree=svg.branch_tree(view, state_of), lsn=lsn,
+                      at=lsn if asked else None, head=viewer.log.head)
+
+    def labels_part(request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        check_run_id(run_id, "view")
+        lsn, _ = viewer.lsn(request)
+        with viewer.con(lsn) as con:
+            labels = ep.run_labels(con, run_id)
+        return render(request, "_labels.html", labels=labels)
+
+    def attempt_target(request: Request) -> tuple[Any, Any, int, int, bool]:
+        run_id = request.path_params["run_id"]
+        check_run_id(run_id, "view")
+        lsn, asked = viewer.lsn(request)
+        p = request.query_params
+        try:
+            branch, n = int(p.get("branch", "")), int(p.get("n", ""))
+        except ValueError:
+            raise rq.BadRequest("branch and n must be whole numbers") from None
+        view = episode(viewer.log, run_id, all_branches=True, at_lsn=lsn)
+        a = ep.find_attempt(view, branch, p.get("step", ""), n)
+        return view, a, branch, lsn, asked
+
+    def attempt_page(request: Request) -> Response:
+        view, a, branch, lsn, asked = attempt_target(request)
+        with viewer.con(lsn) as con:
+            prompt, output = ep.attempt_bodies(viewer.blobs, con, a)
+        prev = ep.previous_attempt(view, branch, a)
+        name = "_attempt_body.html" if request.query_params.get("part") == "1" \
+            else "attempt.html"
+        return render(request, name, view=view, a=a, branch=branch, prev=prev,
+                      bodies=(prompt, output), at=lsn if asked else None,
+                      lsn=lsn, head=viewer.log.head)
+
+    def diff_page(request: Request) -> Response:
+        view, a, branch, lsn, asked = attempt_target(request)
+        prev = ep.previous_attempt(view, branch, a)
+        if prev is None:
+            raise NotFound(f"{a.step}#{a.attempt} on branch {branch} is not a retry")
+        with viewer.con(lsn) as con:
+            old = ep.read_body(viewer.blobs, con, "prompt", prev.prompt)
+            new = ep.read_body(viewer.blobs, con, "prompt", a.prompt)
+        lines = ep.prompt_diff(old.text or "", new.text or "",
+                               f"{a.step} #{prev.attempt} ({prev.state})",
+                               f"{a.step} #{a.attempt} ({a.state})")
+        name = "_diff_body.html" if request.query_params.get("part") == "1" else "diff.html"
+        return render(request, name, view=view, a=a, prev=prev, lines=lines,
+                      at=lsn if asked else None, lsn=lsn, head=viewer.log.head)
+
+    def sql_page(request: Request) -> Response:
+        lsn, asked = viewer.lsn(request)
+        query = request.query_params.get("q", "")
+        result, message = None, None
+        if query.strip():
+            try:
+                with viewer.con(lsn, "sql") as con:
+                    result = sq.run_query(con, query)
+            except sq.QueryRefused as exc:
+                message = sq.one_line(exc)
+        return render(request, "sql.html", 400 if message else 200, query=query,
+                      result=result, message=message, show_rows=sq.SHOW_ROWS,
+                      at=lsn if asked else None, lsn=lsn, head=viewer.log.head)
+
+    def sql_download(request: Request) -> Response:
+        lsn, _ = viewer.lsn(request)
+        fmt = request.query_params.get("format", "csv")
+        if fmt not in ("csv", "parquet"):
+            raise rq.BadRequest(f"format must be csv or parquet, got {fmt!r}")
+        with viewer.con(lsn, "sql") as con:
+            data = sq.download(con, request.query_params.get("q", ""),
+                               "csv" if fmt == "csv" else "parquet")
+        media = "text/csv" if fmt == "csv" else "application/vnd.apache.parquet"
+        return Response(data, media_type=media, headers={
+            **headers(None),
+            "Content-Disposition": f'attachment; filename="poimen-query.{fmt}"'})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        viewer.close()
+
+    def not_found(request: Request) -> Response:
+        raise NotFound(f"no page {request.url.path}")
+
+    routes = [Route("/", guarded(runs_page)),
+              Route("/runs/{run_id}", guarded(episode_page)),
+              Route("/runs/{run_id}/attempt", guarded(attempt_page)),
+              Route("/runs/{run_id}/labels", guarded(labels_part)),
+              Route("/runs/{run_id}/diff", guarded(diff_page)),
+              Route("/sql", guarded(sql_page)),
+              Route("/sql/download", guarded(sql_download)),
+              Route("/{rest:path}", guarded(not_found))]
+    app = Starlette(routes=routes, middleware=[
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))],
+        lifespan=lifespan)
+    app.state.viewer = viewer
+    return app
+
+
+def headers(nonce: str | None) -> dict[str, str]:
+    script = f"'nonce-{nonce}'" if nonce else "'none'"
+    return {"Content-Security-Policy": (
+                f"default-src 'none'; script-src {script}; style-src 'unsafe-inline'; "
+                "img-src 'self' data:; connect-src 'self'; form-action 'self'; "
+                "base-uri 'none'; frame-ancestors 'none'"),
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+            "X-Frame-Options": "DENY", "Cache-Control": "no-store"}

@@ -1,0 +1,128 @@
+"""The SQL page's sandbox: one read-only SELECT over the views, on a connection of its own.
+
+Two locks: the statement must parse as a single SELECT (or EXPLAIN), and the connection
+has external access off (no file reads or writes, no ATTACH, INSTALL or LOAD), Python
+replacement scans off, and its configuration locked so a query cannot turn them back on.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import duckdb
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from poimen_data.fold._connect import connect
+from poimen_data.log._log import EventLog
+
+#: Rows the page shows; a download carries up to ``DOWNLOAD_ROWS``.
+SHOW_ROWS = 500
+DOWNLOAD_ROWS = 1_000_000
+#: A query still running after this many seconds is interrupted.
+TIMEOUT_S = 60.0
+ALLOWED = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
+
+Format = Literal["csv", "parquet"]
+
+
+class QueryRefused(ValueError):
+    """The query is not one read-only statement, or DuckDB refused it: one line."""
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def sandbox(log: EventLog, at_lsn: int) -> duckdb.DuckDBPyConnection:
+    """A connection over the views at ``at_lsn`` that can only read what they read."""
+    con = connect(log, at_lsn=at_lsn)
+    if "://" not in log.root or log.root.startswith("file://"):
+        # state files under the root stay readable if the views ever read them
+        root = log.root.removeprefix("file://").rstrip("/")
+        con.execute("SET allowed_directories = $d", {"d": [f"{root}/state/"]})
+    for setting in ("SET python_enable_replacements = false",
+                    "SET enable_external_access = false",
+                    "SET lock_configuration = true"):
+        con.execute(setting)
+    return con
+
+
+def check_statement(query: str) -> str:
+    """The query stripped; ``QueryRefused`` unless it is one SELECT or EXPLAIN."""
+    q = query.strip().rstrip(";").strip()
+    if not q:
+        raise QueryRefused("empty query")
+    try:
+        stmts = duckdb.extract_statements(q)
+    except duckdb.Error as exc:
+        raise QueryRefused(f"SQL: {one_line(exc)}") from None
+    if len(stmts) != 1:
+        raise QueryRefused(f"one statement at a time, got {len(stmts)}")
+    kind = stmts[0].type
+    if kind not in ALLOWED:
+        raise QueryRefused(f"read-only: {kind.name} statements are refused "
+                           "(only SELECT and EXPLAIN run here)")
+    return q
+
+
+@dataclass(frozen=True)
+class Result:
+    columns: tuple[str, ...]
+    rows: list[tuple[object, ...]]
+    more: bool               # the query has more rows than shown
+
+
+def _run(con: duckdb.DuckDBPyConnection, query: str, rows: int) -> pa.Table:
+    q = check_statement(query)
+    timer = threading.Timer(TIMEOUT_S, con.interrupt)
+    timer.start()
+    try:
+        rel = con.sql(q)
+        if rel is None:
+            raise QueryRefused("the statement returned no result")
+        reader = rel.to_arrow_reader(min(rows + 1, 65_536))
+        batches, n = [], 0
+        for batch in reader:
+            batches.append(batch)
+            n += batch.num_rows
+            if n > rows:
+                break
+        table = pa.Table.from_batches(batches, reader.schema)
+    except duckdb.Error as exc:
+        raise QueryRefused(f"SQL: {one_line(exc)}") from None
+    finally:
+        timer.cancel()
+    return table.slice(0, rows + 1)
+
+
+def run_query(con: duckdb.DuckDBPyConnection, query: str, rows: int = SHOW_ROWS) -> Result:
+    table = _run(con, query, rows)
+    shown = table.slice(0, rows)
+    data = list(zip(*(c.to_pylist() for c in shown.columns), strict=True)) \
+        if shown.num_columns else []
+    return Result(tuple(table.column_names), data, table.num_rows > rows)
+
+
+def download(con: duckdb.DuckDBPyConnection, query: str, fmt: Format) -> bytes:
+    """The query's result (up to ``DOWNLOAD_ROWS``) as CSV or parquet bytes, in memory."""
+    table = _run(con, query, DOWNLOAD_ROWS).slice(0, DOWNLOAD_ROWS)
+    sink = io.BytesIO()
+    if fmt == "csv":
+        flat = pa.Table.from_arrays(
+            [c if _flat(c.type) else pa.array(
+                [None if v is None else str(v) for v in c.to_pylist()], pa.string())
+             for c in table.columns], names=table.column_names)
+        pacsv.write_csv(flat, sink)
+    else:
+        pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def _flat(t: pa.DataType) -> bool:
+    return not (pa.types.is_nested(t) or pa.types.is_dictionary(t))
