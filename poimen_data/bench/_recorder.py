@@ -203,7 +203,7 @@ def _atomic_conditional_put() -> None:
             return original(self)
 
     put_object._poimen_atomic = True  # type: ignore[attr-defined]
-    S3Response.put_object = put_object  # type: ignore[method-assign]
+    S3Response.put_object = put_object  # type: ignore[method-assign,assignment]
 
 
 @contextmanager

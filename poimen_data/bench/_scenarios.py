@@ -435,7 +435,9 @@ def polars_attempts(events: pa.Table) -> pa.Table:
     def last(c: str) -> pl.Expr:
         return pl.col(c).drop_nulls().last().alias(c)
 
-    df = pl.from_arrow(events.select(list(_POLARS_COLS))).lazy()
+    frame = pl.from_arrow(events.select(list(_POLARS_COLS)))
+    assert isinstance(frame, pl.DataFrame)  # a table gives a frame, never a series
+    df = frame.lazy()
     folded = (
         df.filter(pl.col("kind").is_in(ATTEMPT_KINDS))
         .group_by("run_id", "branch_id", "step_id", "attempt_no")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import duckdb
+import duckdb.func
 import pyarrow as pa
 
 from poimen_data.errors import ValidationError
@@ -387,7 +388,7 @@ def register_blob_text(con: duckdb.DuckDBPyConnection, log: EventLog) -> None:
         return None if body is None else body.decode("utf-8", errors="replace")
 
     con.create_function("blob_text", blob_text, [REF_SQL_TYPE], "VARCHAR",
-                        null_handling="special", side_effects=True)
+                        null_handling=duckdb.func.SPECIAL, side_effects=True)
 
 
 def view_sql(name: str) -> str:

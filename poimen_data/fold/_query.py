@@ -217,7 +217,7 @@ def _lists(arr: pa.Array) -> list[tuple[Any, ...]]:
 def _interned(valid: list[bool], keys: Any, make: Any) -> list[Any]:
     """``make(*key)`` per valid row, None per null one, one object per distinct key."""
     cache: dict[Any, Any] = {}
-    out = []
+    out: list[Any] = []
     append = out.append
     for v, k in zip(valid, keys, strict=True):
         if not v:

@@ -91,7 +91,7 @@ def events_to_table(events: Sequence[Event], stamps: Sequence[datetime]) -> pa.T
     fields, the columns a class does not have are all-null arrays (free), and the pieces
     are put back in append order with one ``take``.
     """
-    positions: dict[type, list[int]] = {}
+    positions: dict[type[Event], list[int]] = {}
     for i, e in enumerate(events):
         positions.setdefault(type(e), []).append(i)
     parts: list[pa.Table] = []
@@ -245,6 +245,10 @@ def _first_bad(col: pa.Array, pattern: re.Pattern[str]) -> str | None:
     return next((v for v in distinct if not match(v)), None)
 
 
+def _fits(v: str, *, longest: int) -> bool:
+    return 0 < len(v) <= longest
+
+
 def _first_outside(col: pa.Array, ok: Callable[[Any], bool]) -> Any:
     """A distinct non-null value for which ``ok`` is false (None when there is none)."""
     return next((v for v in _distinct(col) if not ok(v)), None)
@@ -367,10 +371,10 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
             lhs.append(kinds.rows_of(foreign))
             rhs.append(_validity(c, n) if nulls else np.full((n + 7) // 8, 255, np.uint8))
     hits = np.any(np.stack(lhs) & np.stack(rhs), axis=1) if lhs else ()
-    for (nm, of, c, required), hit in zip(pending, hits, strict=True):
+    for (nm, of, c, is_required), hit in zip(pending, hits, strict=True):
         if not hit:
             continue
-        if required:
+        if is_required:
             fail(pc.and_(pc.is_in(kind, pa.array(of)), pc.is_null(c)), nm, "is required")
         first = _first_row(pc.and_(pc.is_in(kind, pa.array(of)), pc.is_valid(c)))
         fail(pc.and_(pc.equal(kind, kind[first]), pc.is_valid(c)), nm,
@@ -412,7 +416,7 @@ def check_conformed(t: pa.Table, where: str, base: int = 0) -> None:
             size = pc.min_max(pc.binary_length(values))  # bytes >= characters
             if size["min"].as_py() > 0 and size["max"].as_py() <= longest:
                 continue
-        bad = _first_outside(values, lambda v, longest=longest: 0 < len(v) <= longest)
+        bad = _first_outside(values, functools.partial(_fits, longest=longest))
         if bad is not None:
             fail(pc.fill_null(pc.equal(values, bad), False), name,
                  f"must be a non-empty str of at most {longest} chars")

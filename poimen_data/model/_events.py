@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pyarrow as pa
 
@@ -118,6 +118,8 @@ class ToolInfo:
 class Event:
     kind: ClassVar[str] = ""
     tenant: str
+    if TYPE_CHECKING:  # every event class ends with a keyword-only ``ts`` of its own
+        ts: datetime | None
 
 
 @dataclass(frozen=True, slots=True)

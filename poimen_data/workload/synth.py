@@ -15,7 +15,7 @@ import hashlib
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -239,7 +239,7 @@ class _Run:
         return text[:MAX_BODY], (len(preamble) + len(tool_docs)) // 4
 
     def _attempt(self, branch: int, idx: int, attempt: int, improved: bool,
-                 previous_error: str | None) -> Iterator[Unit]:
+                 previous_error: str | None) -> Generator[Unit, None, Unit | None]:
         """Yield the dispatch; return the finish ``Unit`` (None when the worker died)."""
         r, step = self.r, self.steps[idx]
         ctx, key_dropped = self._context(step, attempt, improved)
@@ -461,14 +461,14 @@ class _Tally:
                 self.cancel_verifying += self.run_state[run] == "verifying"
                 self.run_state[run] = "cancelled"
             for _name, ref in ev.event_refs(e):
-                key = (ref.tenant, ref.sha256)
+                body = (ref.tenant, ref.sha256)
                 self.ref_bytes += ref.size
-                self.body_size[key] = ref.size
-                first = self.body_runs.get(key)
+                self.body_size[body] = ref.size
+                first = self.body_runs.get(body)
                 if first is None:
-                    self.body_runs[key] = (run, False)
+                    self.body_runs[body] = (run, False)
                 elif not first[1] and first[0] != run:
-                    self.body_runs[key] = (first[0], True)
+                    self.body_runs[body] = (first[0], True)
 
     def summary(self, *, runs: int, commits: int, head: int, seed: int,
                 crashed: int) -> SynthSummary:
@@ -551,8 +551,10 @@ def events_table(n_events: int, *, seed: int = 0, tenants: int = 3,
     n_runs = max(1, min(500, n_events // 15 + 1))
     evs = [e for u in units(n_runs, seed=seed, tenants=tenants, versions=versions,
                             with_bodies=False) for e in u.events]
-    block = events_to_table(evs, [e.ts for e in evs])
-    span = evs[-1].ts - evs[0].ts + timedelta(seconds=1)  # type: ignore[operator]
+    block = events_to_table(evs, [e.ts for e in evs if e.ts is not None])
+    last, first = evs[-1].ts, evs[0].ts
+    assert last is not None and first is not None  # units() stamps every event
+    span = last - first + timedelta(seconds=1)
     parts, have, copy = [], 0, 0
     while have < n_events:
         t = block
