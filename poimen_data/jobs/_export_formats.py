@@ -332,7 +332,7 @@ class Sink:
         self._queue: queue.Queue[bytes | None] = queue.Queue(_SINK_QUEUE)
         self._error: BaseException | None = None
         self._f: Any = None
-        self._tmp: str | None = None  # local: the temp file's name (None: O_TMPFILE)
+        self._tmp: str | None = None  # local: the temp file (locked, see _dest)
         self._thread = threading.Thread(target=self._drain, name="poimen-export-writer",
                                         daemon=True)
 
