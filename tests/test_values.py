@@ -414,3 +414,15 @@ def test_the_limits_export_exactly(tmp_path: Any) -> None:
     (row,) = pq.read_table(tmp_path / "x.parquet").to_pylist()
     assert {k: row[k] for k in want} == want
     assert (row["step_index"], row["attempt_no"]) == (MAX, MAX)
+
+
+def test_a_null_score_whose_slot_holds_nan_commits() -> None:
+    """Null slots may hold anything (pandas puts NaN there): only valid values count."""
+    log = _new_log()
+    score = pa.array(np.array([math.nan, 0.5]), from_pandas=True)  # row 0 null, slot NaN
+    assert score.null_count == 1
+    with log.transaction() as tx:
+        tx.extend(_bulk(score=score))
+    con = pdm.connect(log)
+    assert con.execute("select score from events order by lsn").fetchall() == [(None,), (0.5,)]
+    con.close()

@@ -31,7 +31,7 @@ def check_utf8(t: pa.Table, fail: Callable[..., None]) -> None:
     valid (one pass over a small table's bytes, numpy over a big column's); only a column
     that is not gets Arrow's full validation (~10x dearer). Runs before any check reads
     strings into Python (which would raise UnicodeDecodeError)."""
-    cols = [(nm, c, [_text_bytes(a) for a in _leaves(c)]) for nm in _TEXT_COLUMNS
+    cols = [(nm, c, _parts(c, where)) for nm, where in _TEXT_COLUMNS
             if (c := t.column(nm).chunk(0)).null_count < len(c)]
     small = [b for _, _, parts in cols for b in parts if len(b) < 1 << 16]
     if b"".join(small).isascii() and all(_ascii(b) for _, _, parts in cols for b in parts
@@ -54,7 +54,33 @@ def _has_text(typ: pa.DataType) -> bool:
                                           for i in range(typ.num_fields))
 
 
-_TEXT_COLUMNS = tuple(f.name for f in EVENT_SCHEMA if _has_text(f.type))
+def _string_data(typ: pa.DataType, at: int = 0) -> tuple[list[int], int]:
+    """Where a type's string data buffers are in ``Array.buffers()`` (the tree's buffers,
+    depth first), and how many buffers the type has."""
+    if pa.types.is_string(typ):
+        return [at + 2], 3
+    found, n = [], 1 if pa.types.is_struct(typ) else 2  # validity (+ offsets of a list)
+    for i in range(typ.num_fields):
+        f, k = _string_data(typ.field(i).type, at + n)
+        found += f
+        n += k
+    return found, n
+
+
+_TEXT_COLUMNS = tuple((f.name, _string_data(f.type)[0]) for f in EVENT_SCHEMA
+                      if _has_text(f.type))
+_TIGHT = 1024  # bytes of text per row below which a column's whole buffers are read
+
+
+def _parts(c: pa.Array, where: list[int]) -> list[memoryview]:
+    """The bytes of a column's text: its whole string buffers when it is not a slice of
+    something much bigger (one call), else each string array cut to the column's rows."""
+    if c.offset == 0:
+        tree = c.buffers()
+        bufs = [b for i in where if (b := tree[i]) is not None]
+        if sum(b.size for b in bufs) <= _TIGHT * len(c):
+            return [memoryview(b) for b in bufs]
+    return [_text_bytes(a) for a in _leaves(c)]
 
 
 def _leaves(c: pa.Array) -> Iterator[pa.Array]:
@@ -113,23 +139,19 @@ def _not_utf8(b: bytes | None) -> bool:
     return False
 
 
-def _valid_floats(c: pa.Array) -> np.ndarray:
-    """The non-null values of a float64 column (a null slot may hold anything)."""
-    x = np.frombuffer(c.buffers()[1], np.float64, count=len(c), offset=c.offset * 8)
-    if c.null_count:
-        bits = np.unpackbits(np.frombuffer(c.buffers()[0], np.uint8),
-                             count=c.offset + len(c), bitorder="little")
-        x = x[bits[c.offset:].view(bool)]
-    return x
-
-
 def check_floats(c: pa.Array, fld: str, fail: Callable[..., None],
-                  minimum: int | None = None) -> None:
-    """A float64 column holds finite values (at least ``minimum``)."""
+                 minimum: int | None = None) -> None:
+    """A float64 column holds finite values (at least ``minimum``). Screened over the raw
+    values, null slots included (they may hold anything): only when the screen fails are
+    the valid values looked at, with kernels that name the row."""
     if c.null_count == len(c):
         return
-    x = _valid_floats(c)
-    if not np.isfinite(x).all():
-        fail(pc.fill_null(pc.invert(pc.is_finite(c)), False), fld, "must be a finite double")
-    if minimum is not None and x.min() < minimum:
-        fail(pc.fill_null(pc.less(c, minimum), False), fld, f"must be >= {minimum}")
+    x = np.frombuffer(c.buffers()[1], np.float64, count=len(c), offset=c.offset * 8)
+    with np.errstate(invalid="ignore"):
+        if np.isfinite(x).all() and (minimum is None or x.min() >= minimum):
+            return
+    fail(pc.fill_null(pc.invert(pc.is_finite(c)), False), fld, "must be a finite double",
+         certain=False)
+    if minimum is not None:
+        fail(pc.fill_null(pc.less(c, minimum), False), fld, f"must be >= {minimum}",
+             certain=False)

@@ -366,8 +366,12 @@ def _remember(seen: set[Any] | None, v: Any) -> None:
 
 
 def _check_ref_cached(ref: Any, name: str, seen: set[Any] | None) -> None:
-    if type(ref) is BlobRef and _seen(seen, ref):
-        return
+    if seen is not None and type(ref) is BlobRef:
+        try:
+            if ref in seen:
+                return
+        except TypeError:  # unhashable fields: check_ref names them
+            pass
     check_ref(ref, "", name)
     _remember(seen, ref)
 
@@ -380,13 +384,13 @@ def _check_int(where: str, name: str, v: Any, minimum: int) -> None:
 def _check_str(where: str, name: str, v: Any, max_len: int = 4096) -> None:
     if not isinstance(v, str) or not v or len(v) > max_len:
         raise _bad(where, name, f"must be a non-empty str of at most {max_len} chars")
-    if not utf8_ok(v):
+    if not v.isascii() and not utf8_ok(v):
         raise _bad(where, name, "must be valid UTF-8 text (it holds a lone surrogate)")
 
 
 def _check_text(where: str, name: str, v: Any) -> None:
     """An optional free-text field (error, detail, reason): a storable str or None."""
-    if v is not None:
+    if v is not None and (type(v) is not str or not v.isascii()):
         problem = text_problem(v)
         if problem:
             raise _bad(where, name, problem)
@@ -451,7 +455,8 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
         if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
             raise _bad(where, "run_id", f"must match {RUN_ID_RE.pattern}, got {run_id!r}")
     ts = e.ts
-    if ts is not None:
+    if ts is not None and (type(ts) is not datetime or not 1 < ts.year < 9999
+                           or ts.utcoffset() is None):  # the common case costs no call
         problem = ts_problem(ts)
         if problem:
             raise _bad(where, "ts", problem)
@@ -467,7 +472,7 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
                     raise _bad(where, "prompt", "belongs to another tenant than the event",
                            TenantMismatch)
             ctx = e.context
-            if ctx is not None and not _seen(seen, ctx):
+            if ctx is not None and (seen is None or not _seen(seen, ctx)):
                 if not isinstance(ctx, ContextPartition):
                     raise _bad(where, "context", "must be a ContextPartition")
                 _check_str_tuple(where, "context.packed", ctx.packed)
@@ -487,7 +492,7 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
                     raise _bad(where, "output", "belongs to another tenant than the event",
                            TenantMismatch)
             usage = e.usage
-            if usage is not None and not _seen(seen, usage):
+            if usage is not None and (seen is None or not _seen(seen, usage)):
                 _check_usage(where, usage)
                 if type(usage) is Usage:
                     _remember(seen, usage)
