@@ -23,7 +23,7 @@ RESULT_KEYS = {"name", "title", "status", "goal", "ours", "reference", "ratio", 
                "seconds", "details"}
 EXPECTED = ["bulk_ingest", "event_objects", "small_commit", "small_commit_vs_peer", "open",
             "small_files", "cold_refold", "fold_engine", "incremental", "point_query",
-            "grading", "export", "s3_commit"]
+            "grading", "export", "s3_commit", "scale_fold"]
 
 
 @pytest.fixture(scope="module")
