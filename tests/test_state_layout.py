@@ -183,7 +183,7 @@ def test_dask_workers_materialize_the_same_bytes(tmp_path) -> None:
     want = {t: [(f.key, f.sha256) for f in e]
             for t, e in _state.read_pointer(log).tables.items()}
     with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
-                                  dashboard_address=None) as cluster, \
+                                  dashboard_address=":0") as cluster, \
             distributed.Client(cluster) as client:
         remote = pdm.materialize(log, full=True, executor=client, passes=4)
         assert (remote.full, remote.lsn, remote.runs_folded) == (True, local.lsn,

@@ -100,7 +100,8 @@ def scale_fold(ctx: Ctx) -> Result:
     inc_ratio = inc["seconds"] / full["seconds"]
     details: dict[str, Any] = {"events": n, "added": n // 100, "memory_limit": MEMORY_LIMIT,
                                "full": full, "duckdb": ref, "incremental": inc,
-                               "incremental_over_full": inc_ratio, "quick": ctx.quick}
+                               "incremental_over_full": inc_ratio, "quick": ctx.quick,
+                               "t_ours_s": [full["seconds"]], "t_ref_s": [ref["seconds"]]}
     r = Result("scale_fold", "scale: materialize", "ok", GOAL.text, ours=full["seconds"],
                reference=ref["seconds"], ratio=ratio, unit="s", ref_unit="s",
                ours_text=f"{fmt_time(full['seconds'])}, peak {_gib(full['peak_rss'])}",

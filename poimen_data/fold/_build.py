@@ -13,6 +13,7 @@ import functools
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -318,22 +319,32 @@ def full_pass(log: EventLog, lsn: int, buckets: tuple[int, ...], w: Writer, budg
 
 def full_passes(log: EventLog, lsn: int, groups: list[tuple[int, ...]], w: Writer,
                 budget: Budget) -> list[pa.Table]:
-    """Every group in one process: the segments are scanned once into a DuckDB table
-    tagged with each event's bucket (spilled under the budget), then each group's
-    events are selected from it and folded alone. Reductions fold with the first group."""
+    """Every group in one process, with one scan of the segments: each event is spilled
+    to the parquet partition of its group in the temp directory (DuckDB's partitioned
+    COPY, bounded memory), then each group is read back from its partition and folded
+    alone. Reductions (events of no run) fold with the first group."""
     if len(groups) == 1:
         return [full_pass(log, lsn, groups[0], w, budget, with_reductions=True)]
+    group_of = {b: i for i, g in enumerate(groups) for b in g}
+    cases = " ".join(f"WHEN {b} THEN {i}" for b, i in sorted(group_of.items()))
     out = []
     with connection(budget) as con:
+        tmp = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
+        parts = os.path.join(tmp, "parts")
         con.register("_scan", log.scan_events(lsn, batch_rows=BATCH_ROWS))
-        con.execute(f"CREATE TEMP TABLE _all AS SELECT *, coalesce({bucket_sql()}, -1) "
-                    "AS _b FROM _scan")
+        con.execute(f"COPY (SELECT *, CASE {bucket_sql()} {cases} ELSE 0 END AS _g "
+                    f"FROM _scan) TO '{parts}' (FORMAT parquet, PARTITION_BY (_g))")
         con.unregister("_scan")
-        for i, g in enumerate(groups):
-            keep = ", ".join(map(str, (*g, -1) if i == 0 else g))
-            con.execute(f"CREATE TEMP TABLE events AS SELECT * EXCLUDE (_b) FROM _all "
-                        f"WHERE _b IN ({keep})")
+        con.register("_empty", ev.LOG_SCHEMA.empty_table())
+        for i in range(len(groups)):
+            where = os.path.join(parts, f"_g={i}")
+            if os.path.isdir(where):
+                con.execute("CREATE TEMP TABLE events AS SELECT * FROM read_parquet("
+                            f"'{where}/*.parquet', hive_partitioning = false)")
+            else:
+                con.execute("CREATE TEMP TABLE events AS SELECT * FROM _empty")
             out.append(_fold_group(con, w, with_reductions=i == 0))
+            shutil.rmtree(where, ignore_errors=True)
     return out
 
 
