@@ -393,7 +393,7 @@ def test_the_golden_log_reads_as_before_and_takes_attempt_verdicts(tmp_path: Pat
                            [old_head]).fetchall() == old_verdicts
         assert con.execute("select count(*), count(step_id), count(attempt_no) from verdicts "
                            "where lsn > ?", [old_head]).fetchone() == (18, 18, 18)
-    assert pdm.materialize(fresh) == fresh.head
+    assert pdm.materialize(fresh).lsn == fresh.head
     assert _state.read_pointer(fresh).fold_version == _fold.FOLD_VERSION
     assert pdm.check(fresh).ok
 
@@ -443,14 +443,14 @@ def test_a_segment_lacking_a_column_reads_it_as_null(tmp_path: Path) -> None:
 
 
 def test_the_export_lists_an_attempt_verdict_on_the_attempt_it_judged(tmp_path: Path) -> None:
-    import orjson
+    import pyarrow.parquet as pq
 
     log = pdm.open_log(str(tmp_path / "log"))
     _first, snap = rewound(log)
     grade(log, [Seen(), exit_code])
-    out = tmp_path / "live.jsonl"
-    pdm.export_live(log, str(out), source="log")
-    records = [orjson.loads(line)["metadata"] for line in out.read_bytes().splitlines()]
+    out = tmp_path / "live.parquet"  # every attempt, with or without prompt and output
+    pdm.export_live(log, str(out), format="parquet", source="log")
+    records = pq.read_table(out).to_pylist()
     run_verdict = {"verifier": "exit_code@1", "passed": True, "score": 1.0,
                    "snapshot_lsn": snap}
 
@@ -464,8 +464,8 @@ def test_the_export_lists_an_attempt_verdict_on_the_attempt_it_judged(tmp_path: 
         (1, "code", 2, [run_verdict, seen(True)]),
         (1, "test", 1, [run_verdict, seen(True)])]
     pdm.materialize(log)
-    again = tmp_path / "state.jsonl"
-    pdm.export_live(log, str(again), source="state")
+    again = tmp_path / "state.parquet"
+    pdm.export_live(log, str(again), format="parquet", source="state")
     assert again.read_bytes() == out.read_bytes()
 
 

@@ -361,7 +361,7 @@ def test_a_killed_recorder_loses_only_unresolved_records(request: pytest.Fixture
     else:
         assert resolved == {}  # the first window died before any future resolved
 
-    pdm.vacuum(root.open(), grace=0)
+    pdm.vacuum(root.open(), grace=0, force=True)
     log = root.open()
     events = log.read_events()
     assert events.column("lsn").to_pylist() == list(range(1, log.head + 1))

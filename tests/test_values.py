@@ -400,8 +400,10 @@ def test_the_limits_export_exactly(tmp_path: Any) -> None:
     usage = Usage(MAX, 0, MAX, 1, COST_MAX, 1.7976931348623157e308)
     with log.transaction() as tx:
         tx.append(RunStarted(T, "lo", "wf ✓", ts=TS_MIN))
-        tx.append(AttemptDispatched(T, "lo", 0, "шаг", MAX, MAX, ts=TS_MAX))
-        tx.append(AttemptFinished(T, "lo", 0, "шаг", MAX, "failed", usage=usage))
+        prompt, output = tx.put_blob(T, b"prompt"), tx.put_blob(T, b"output")
+        tx.append(AttemptDispatched(T, "lo", 0, "шаг", MAX, MAX, prompt=prompt, ts=TS_MAX))
+        tx.append(AttemptFinished(T, "lo", 0, "шаг", MAX, "failed", output=output,
+                                  usage=usage))
     want = {"input_tokens": MAX, "output_tokens": 0, "cache_read_input_tokens": MAX,
             "reasoning_tokens": 1, "cost_usd": COST_MAX, "latency_ms": 1.7976931348623157e308}
     pdm.export_live(log, str(tmp_path / "x.jsonl"))
