@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import BUCKET, Root, S3Endpoint, S3Faults, snapshot_files
@@ -246,3 +247,40 @@ def test_flush_after_a_failing_staging_delete_raises_a_poimen_error(
 
 def proc_open_head(s3: S3Endpoint, prefix: str) -> int:
     return pdm.open_log(f"s3://{BUCKET}/{prefix}", storage_options=s3.storage_options).head
+
+
+def test_two_promoters_of_one_body_never_fail_with_a_raw_error(tmp_path: Path) -> None:
+    """A roll-forward at open and the writer's background promoter may move the same
+    staged body at once (two logs on one root): the one that finds it gone gets
+    ``NotFound`` (which promotion treats as done elsewhere), never a raw OSError; before,
+    a first move that had to create ``blobs/<t>/<aa>/`` lost the second race raw."""
+    import threading
+
+    from poimen_data.storage import open_storage
+
+    outcomes = []
+    for i in range(200):
+        st = open_storage(str(tmp_path / f"r{i}"), None)
+        st.write("_staging/t/x", b"body")
+        barrier = threading.Barrier(2)
+        got: list[str] = []
+
+        def move(st: Any = st, i: int = i, barrier: threading.Barrier = barrier,
+                 got: list[str] = got) -> None:
+            barrier.wait()
+            try:
+                st.move("_staging/t/x", f"blobs/a/{i:03d}/x")
+                got.append("moved")
+            except pdm.NotFound:
+                got.append("gone")
+            except Exception as exc:  # noqa: BLE001 - what the test is about
+                got.append(repr(exc))
+
+        threads = [threading.Thread(target=move) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        outcomes.append(tuple(sorted(got)))
+        assert st.read(f"blobs/a/{i:03d}/x") == b"body"
+    assert set(outcomes) <= {("gone", "moved")}

@@ -191,8 +191,7 @@ def read_run(log: EventLog, f: FileEntry, run_id: str, ptr: Pointer | None = Non
     places = ptr.locations(f) if ptr is not None else (f.path, prev_path(f.path))
     for rel in places:
         try:
-            with (open(st.full(rel), "rb") if st.kind == "local"
-                  else st.fs.open(st.full(rel), "rb")) as src, \
+            with st.open_read(rel) as src, \
                     pq.ParquetFile(src, page_checksum_verification=True) as pf:
                 col = pf.schema_arrow.get_field_index("run_id")
                 groups = []

@@ -62,15 +62,24 @@ class Storage(ABC):
         """A URL for ``rel`` that other fsspec users (DuckDB, pyarrow) can open."""
         return f"{self.kind}://{self.full(rel).lstrip('/')}"
 
+    def open_read(self, rel: str) -> Any:
+        """A binary file object for reading ``rel`` piecewise (parquet row groups)."""
+        return self.fs.open(self.full(rel), "rb")
+
+    def arrow_filesystem(self) -> Any:
+        """This storage as a ``pyarrow.fs`` filesystem (for ``pyarrow.dataset``)."""
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        return PyFileSystem(FSSpecHandler(self.fs))
+
     def arrow_dataset(self, rels: list[str], *, format: str = "parquet") -> Any:
         """A ``pyarrow.dataset`` over these files, read through this storage's filesystem:
         what another engine (DuckDB) scans as a Python-registered table, so it needs no
         file access of its own (and a locked-down connection can still read it)."""
         import pyarrow.dataset as ds
-        from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-        fs: Any = None if self.kind == "local" else PyFileSystem(FSSpecHandler(self.fs))
-        return ds.dataset([self.full(r) for r in rels], format=format, filesystem=fs)
+        return ds.dataset([self.full(r) for r in rels], format=format,
+                          filesystem=self.arrow_filesystem())
 
     def _require_writable(self) -> None:
         if not self.writable:

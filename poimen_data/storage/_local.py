@@ -183,7 +183,10 @@ class LocalStorage(Storage):
             if not os.path.exists(self.full(src)):
                 raise NotFound(f"no such file: {self.url_of(src)}") from None
             os.makedirs(os.path.dirname(dpath), exist_ok=True)
-            os.replace(self.full(src), dpath)
+            try:
+                os.replace(self.full(src), dpath)
+            except FileNotFoundError:  # another promoter (a roll-forward) moved it first
+                raise NotFound(f"no such file: {self.url_of(src)}") from None
 
     def copy(self, src: str, dst: str) -> None:
         dpath = self.full(dst)
@@ -194,6 +197,14 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             raise NotFound(f"no such file: {self.url_of(src)}") from None
         os.replace(tmp, dpath)
+
+    def open_read(self, rel: str) -> Any:
+        return open(self.full(rel), "rb")  # noqa: SIM115 - the caller's to close
+
+    def arrow_filesystem(self) -> Any:
+        from pyarrow.fs import LocalFileSystem
+
+        return LocalFileSystem()
 
     def open_atomic(self, rel: str) -> AtomicWriter:
         """An export's writer (see ``_dest``): only a regular file or nothing is replaced,
