@@ -512,8 +512,9 @@ def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     passes over groups of run buckets sized to ``memory_limit`` (bytes or e.g. ``"2GB"``;
     default a quarter of the machine, at most 2 GiB; DuckDB spills the rest to
     ``temp_directory``). ``executor=`` a ``distributed.Client`` folds the groups on Dask
-    workers (same bytes). Of two concurrent materializers one publishes; the other
-    returns the state the winner published, or builds on top of it.
+    workers (same bytes); ``passes`` forces the number of bucket groups (the bytes never
+    depend on it). Of two concurrent materializers one publishes; the other returns the
+    state the winner published, or builds on top of it.
     """
     log = as_log(log, storage_options=storage_options)
     budget = _budget(memory_limit, temp_directory)
