@@ -510,7 +510,7 @@ def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     (their whole history: every fold rule is per run) and only their files rewritten.
     ``full=True`` (or a state made by another fold version or settings) rebuilds, in
     passes over groups of run buckets sized to ``memory_limit`` (bytes or e.g. ``"2GB"``;
-    default a quarter of the machine, at most 2 GiB; DuckDB spills the rest to
+    default a quarter of the machine, at most 1.5 GiB; DuckDB spills the rest to
     ``temp_directory``). ``executor=`` a ``distributed.Client`` folds the groups on Dask
     workers (same bytes); ``passes`` forces the number of bucket groups (the bytes never
     depend on it). Of two concurrent materializers one publishes; the other returns the
