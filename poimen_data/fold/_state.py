@@ -488,7 +488,7 @@ def _budget(memory_limit: int | str | None, temp_directory: str | None) -> Budge
     if memory_limit is None:
         return Budget(B.default_memory_limit(), temp_directory)
     if isinstance(memory_limit, str):
-        units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10,
+        units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,  # as DuckDB reads them
                  "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
         s = memory_limit.strip().upper().replace(" ", "")
         for u, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
