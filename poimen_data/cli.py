@@ -373,7 +373,7 @@ def materialize(full: Annotated[bool, typer.Option(
                 = False,
                 memory_limit: Annotated[str | None, typer.Option(
                     "--memory-limit", help="What the fold may hold, e.g. 2GB (default: a "
-                    "quarter of the machine, at most 2GB; DuckDB spills the rest).")] = None,
+                    "quarter of the machine, at most 1.5GiB; DuckDB spills the rest).")] = None,
                 root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Refresh the materialized state (incremental: folds only the new commits)."""
     log = open_root(root)

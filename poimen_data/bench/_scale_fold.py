@@ -16,7 +16,7 @@ from poimen_data.bench._core import Ctx, Goal, Result, fmt_ratio, fmt_time
 FULL_EVENTS = 10_000_000
 QUICK_EVENTS = 200_000
 COMMIT_ROWS = 1_000_000
-MEMORY_LIMIT = "2GB"
+MEMORY_LIMIT = "1536MB"  # the default budget (1.5 GiB)
 GOAL = Goal("full <= 3x plain DuckDB fold, same memory limit", "ratio", "<=", 3.0)
 
 #: The child's program: one step, then its time and ``ru_maxrss`` as JSON on stdout.
@@ -84,7 +84,7 @@ def _gib(n: float) -> str:
 
 
 def scale_fold(ctx: Ctx) -> Result:
-    """Full materialize of ``FULL_EVENTS`` (quick: ``QUICK_EVENTS``) events under a 2 GB
+    """Full materialize of ``FULL_EVENTS`` (quick: ``QUICK_EVENTS``) events under a 1.5 GiB
     budget against the plain DuckDB fold of the same segments (same SQL, same memory
     limit, COPY to parquet); then +1% events and an incremental materialize against the
     full one. Times and peak RSS come from child processes, one step each."""

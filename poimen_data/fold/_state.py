@@ -497,7 +497,7 @@ def _budget(memory_limit: int | str | None, temp_directory: str | None) -> Budge
     if memory_limit is None:
         return Budget(B.default_memory_limit(), temp_directory)
     if isinstance(memory_limit, str):
-        units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10,
+        units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,  # as DuckDB reads them
                  "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
         s = memory_limit.strip().upper().replace(" ", "")
         for u, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
@@ -519,10 +519,11 @@ def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     (their whole history: every fold rule is per run) and only their files rewritten.
     ``full=True`` (or a state made by another fold version or settings) rebuilds, in
     passes over groups of run buckets sized to ``memory_limit`` (bytes or e.g. ``"2GB"``;
-    default a quarter of the machine, at most 2 GiB; DuckDB spills the rest to
+    default a quarter of the machine, at most 1.5 GiB; DuckDB spills the rest to
     ``temp_directory``). ``executor=`` a ``distributed.Client`` folds the groups on Dask
-    workers (same bytes). Of two concurrent materializers one publishes; the other
-    returns the state the winner published, or builds on top of it.
+    workers (same bytes); ``passes`` forces the number of bucket groups (the bytes never
+    depend on it). Of two concurrent materializers one publishes; the other returns the
+    state the winner published, or builds on top of it.
     """
     log = as_log(log, storage_options=storage_options)
     budget = _budget(memory_limit, temp_directory)
