@@ -33,6 +33,9 @@ SLOW_TESTS = frozenset({
     "test_same_seed_same_log_other_seed_other_log",
     "test_pinned_digest_of_the_events",
     "test_one_planted_fault_is_found_by_both_paths",
+    "test_views_from_state_and_tail_equal_the_cold_fold",
+    "test_values_commit_and_read_back_exactly_or_are_refused",
+    "test_64_threads_and_64_tasks_commit_in_order_and_fold_like_one_by_one",
 })
 
 
