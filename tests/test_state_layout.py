@@ -201,23 +201,34 @@ PEAK = ("int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))
 MEMORY_CHILD = f"""
 import json, sys
 import poimen_data as pdm
-r = pdm.materialize(sys.argv[1], memory_limit=sys.argv[2])
-c = pdm.check(sys.argv[1], memory_limit=sys.argv[2])
-print(json.dumps({{"ok": c.ok, "full": r.full, "runs": r.runs_folded, "rss": {PEAK}}}))
+root, budget = sys.argv[1:3]
+r = pdm.materialize(root, memory_limit=budget)
+c = pdm.check(root, memory_limit=budget)
+with pdm.connect(root, source="log", memory_limit=budget) as con:  # a fold of the log
+    cold = con.sql("select state, count(*) from runs group by 1 order by 1").fetchall()
+with pdm.connect(root, memory_limit=budget) as con:
+    served = con.sql("select state, count(*) from runs group by 1 order by 1").fetchall()
+print(json.dumps({{"ok": c.ok, "full": r.full, "runs": r.runs_folded, "same": cold == served,
+                  "rss": {PEAK}}}))
 """
 
 
 @pytest.mark.slow
-def test_materialize_and_check_stay_within_a_bound_tied_to_the_budget(tmp_path) -> None:
+def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> None:
+    """materialize, check, and connect + a query (a fold of the log, then the state), in
+    one child, on events taking several times the budget in Arrow: peak RSS stays bounded.
+    (grade and export_live are not bounded by it yet: see issue 13's closing note.)"""
     root = tmp_path / "log"
     log = pdm.open_log(root, durable=False)
-    table = synth.events_table(1_000_000, seed=3)
-    for lo in range(0, table.num_rows, 50_000):
+    table = synth.events_table(2_000_000, seed=3)
+    for lo in range(0, table.num_rows, 100_000):
         with log.transaction() as tx:
-            tx.extend(table.slice(lo, 50_000))
+            tx.extend(table.slice(lo, 100_000))
     arrow_bytes = table.nbytes
     del table
-    budget = 100 << 20
+    # 200 MiB: at 100 MiB DuckDB's own floor (buffers pinned per thread) made a fold group
+    # run out of memory now and then on a loaded machine
+    budget = 200 << 20
     assert arrow_bytes > 3 * budget  # the events are several times the budget
     # the interpreter with pyarrow, DuckDB and poimen imported, measured the same way
     base = subprocess.run([sys.executable, "-c", "import duckdb, pyarrow.parquet, "
@@ -225,10 +236,10 @@ def test_materialize_and_check_stay_within_a_bound_tied_to_the_budget(tmp_path) 
                           capture_output=True, text=True, check=True)
     baseline = int(base.stdout)
     out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(root), f"{budget}B"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["ok"] and got["full"] and got["runs"] > 10_000
+    assert got["ok"] and got["full"] and got["runs"] > 10_000 and got["same"]
     # DuckDB's budget, about as much again for Arrow batches in flight and parquet encoders,
     # plus slack: below the events' Arrow size on top of the baseline (measured: 2.4x)
     bound = baseline + 5 * budget // 2 + (64 << 20)

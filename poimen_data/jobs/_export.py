@@ -61,12 +61,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
-from poimen_data.fold import _fold, _state
+from poimen_data.fold import _fold
+from poimen_data.fold._connect import connect
 from poimen_data.jobs._atif import AtifWriter
 from poimen_data.jobs._export_formats import SLOTS, VERDICT_TYPE, WRITERS, Bodies, Sink
 from poimen_data.log._log import EventLog, LogLike, as_log
@@ -78,7 +78,6 @@ FORMATS = tuple(_WRITERS)
 SOURCES = ("auto", "state", "log")
 DEFAULT_BATCH_BYTES = 64 << 20
 MAX_BATCH_ROWS = 8192
-_TABLES = ("runs", "trajectories", "verdicts", "reductions")
 
 
 @dataclass(frozen=True)
@@ -222,12 +221,7 @@ def export_live(
     pool = ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export")
     fetcher = _Fetcher(log, pool)
     try:
-        # while the log is folded, the pool reads the bodies the first batch most likely
-        # needs, from remote storage, where that hides latency (local reads are CPU and
-        # would slow the fold; pairs are too few to guess)
-        ahead = None if format == "pairs" or log.storage.kind == "local" else \
-            (lambda events: fetcher.prefetch(events, runs, batch_size))
-        con, used = _connect(log, source, lsn, ahead)
+        con, used = _connect(log, source, lsn)
         try:
             _select(con, runs, only_succeeded)
             query = _PAIRS_SQL if format == "pairs" else \
@@ -273,72 +267,18 @@ def _skipped(con: Any, format: str, keep_unanswered: bool) -> tuple[int, int]:
     return (0 if keep_unanswered else int(no_out)), int(no_prompt)
 
 
-def _connect(log: EventLog, source: str, lsn: int,
-             before_fold: Callable[[pa.Table], None] | None = None) -> tuple[Any, str]:
-    """A DuckDB connection holding the fold's tables at ``lsn``, and the source used.
-
-    ``state`` needs a materialized state at exactly ``lsn``. ``auto`` serves from a state
-    at ``lsn`` or before it: the runs that later commits touched are folded again from
-    their first event (every fold rule is per run, as the materializer's incremental
-    build relies on) and replace their state rows, and reductions after the state are
-    appended (source ``"state+log"``); with no usable state, or one past ``lsn``, the
-    whole log is folded (``"log"``).
-    """
-    if source != "log":
-        ptr = _state.usable_pointer(log)
-        if ptr is not None and (ptr.lsn == lsn or (source == "auto" and ptr.lsn < lsn)):
-            tables = {name: _state_table(log, ptr, name) for name in _TABLES}
-            used = "state"
-            if ptr.lsn < lsn:
-                _refold_touched(log, ptr, lsn, tables)
-                used = "state+log"
-            con = duckdb.connect(":memory:")
-            con.execute("SET TimeZone = 'UTC'")
-            for name, t in tables.items():
-                con.register(name, t)
-            return con, used
-        if source == "state":
-            have = "no usable materialized state" if ptr is None else \
-                f"the materialized state covers lsn {ptr.lsn}"
-            raise NotFound(f"export: {have}, not lsn {lsn} (run materialize, or use "
-                           "source='log' or 'auto')")
-    events = log.read_events(lsn)
-    if before_fold is not None:
-        before_fold(events)
-    con = _fold.new_connection(events)
-    # unordered: the export's query puts every row in a total order of its own
-    _fold.create_fold_tables(con, _TABLES, ordered=False)
-    return con, "log"
-
-
-def _state_table(log: EventLog, ptr: _state.Pointer, name: str) -> pa.Table:
-    schema = _state.table_schemas()[name]
-    parts = [_state.read_file(log, f, ptr).cast(schema) for f in ptr.tables.get(name, ())]
-    return pa.concat_tables(parts) if parts else schema.empty_table()
-
-
-def _refold_touched(log: EventLog, ptr: _state.Pointer, lsn: int,
-                    tables: dict[str, pa.Table]) -> None:
-    """Bring state tables at ``ptr.lsn`` to ``lsn`` (see ``_connect``)."""
-    schemas = _state.table_schemas()
-    new = log.read_events(lsn, ptr.lsn + 1)
-    red = _fold.fold_tables(new, ("reductions",))["reductions"]
-    if red.num_rows:
-        tables["reductions"] = pa.concat_tables(
-            [tables["reductions"], red.cast(schemas["reductions"])])
-    touched = pc.unique(new.column("run_id").drop_null())
-    if not len(touched):
-        return
-    index = _state_table(log, ptr, _state.INDEX)
-    firsts = index.filter(pc.is_in(index.column("run_id"), touched)).column("first_lsn")
-    lo = min([ptr.lsn + 1, *firsts.to_pylist()])
-    per_run = tuple(t for t in _TABLES if t != "reductions")
-    fresh = _fold.fold_tables(_fold.run_events(log, touched.to_pylist(), at_lsn=lsn,
-                                               min_lsn=lo), per_run)
-    for name in per_run:
-        old = tables[name]
-        keep = old.filter(pc.invert(pc.is_in(old.column("run_id"), touched)))
-        tables[name] = pa.concat_tables([keep, fresh[name].cast(schemas[name])])
+def _connect(log: EventLog, source: str, lsn: int) -> tuple[Any, str]:
+    """A connection with the fold's views at ``lsn`` (``fold.connect``, so memory stays
+    bounded: the state's files and the segments are scanned, never loaded whole), and the
+    source used: ``"state"`` (a state at exactly ``lsn``), ``"state+log"`` (an older state,
+    the runs later commits touched folded again), or ``"log"`` (a cold fold). The rows are
+    the same whichever it is, so the bytes are too."""
+    try:
+        con = connect(log, lsn, source=source)  # type: ignore[arg-type]
+    except NotFound as exc:
+        raise NotFound(str(exc).replace("connect:", "export:", 1)) from None
+    used = con.execute("SELECT getvariable('poimen_source')").fetchall()[0][0]
+    return con, str(used)
 
 
 def _select(con: Any, runs: Iterable[str] | None, only_succeeded: bool) -> None:
@@ -437,38 +377,6 @@ class _Fetcher:
         self._late: dict[tuple[str, str], BlobRef] | None = None
         self._lock = threading.Lock()
         self._ahead: Future[dict[tuple[str, str], _Cell]] | None = None
-
-    def prefetch(self, events: pa.Table, runs: Iterable[str] | None, budget: int) -> None:
-        """Start reading, while the fold runs, up to ``budget`` bytes of the bodies the first
-        batch will most likely ask for: those of attempt events in ``(run_id, lsn)`` order.
-        ``submit`` takes what it needs from them for the first batch and drops the rest,
-        so a wrong guess costs reads, never bytes, and memory stays about one batch."""
-        wanted = None if runs is None else sorted(set([runs] if isinstance(runs, str)
-                                                      else runs))
-        self._ahead = self.pool.submit(self._plan, events, wanted, budget)
-
-    def _plan(self, events: pa.Table, runs: list[str] | None, budget: int
-              ) -> dict[tuple[str, str], _Cell]:
-        # a copy of five columns in one chunk: filters over the log's many small chunks
-        # (one or more per commit) are ten times slower
-        t = events.select(["kind", "run_id", "lsn", "prompt", "output"]).combine_chunks()
-        keep = pc.is_in(t.column("kind"), pa.array(["attempt_dispatched", "attempt_finished"]))
-        if runs is not None:
-            keep = pc.and_(keep, pc.is_in(t.column("run_id"), pa.array(runs, pa.string())))
-        t = t.filter(keep).sort_by([("run_id", "ascending"), ("lsn", "ascending")])
-        groups = _Groups(self)
-        total = 0
-        for b in t.to_batches(max_chunksize=1024):
-            for p, o in zip(b.column("prompt").to_pylist(), b.column("output").to_pylist(),
-                            strict=True):
-                for d in (p, o):
-                    if d is None:
-                        continue
-                    total += d["size"]
-                    if total > budget:
-                        return groups.close()
-                    groups.add((d["tenant"], d["sha256"]), d["size"])
-        return groups.close()
 
     def submit(self, batch: pa.RecordBatch, slots: tuple[str, ...]) -> Bodies:
         """Start fetching every body of ``batch`` (each distinct ref once), in row order,
