@@ -1,111 +1,14 @@
-"""Event classes, value types, the Arrow event schema and validation (docs/DESIGN.md, "Domain").
+"""Event classes, value types, the Arrow event schema and validation (docs/DESIGN.md,
+"Domain").
 
-The public path of ``poimen_data.model``: the classes live in ``model/_events.py``, the
-Arrow-side conversion and bulk validation in ``model/_arrow.py``.
+The public path of ``poimen_data.model`` (classes in ``model/_events.py``, the Arrow side in
+``model/_arrow.py``), plus the ``ValidationError`` they raise.
 """
 
 from __future__ import annotations
 
 from poimen_data.errors import ValidationError
-from poimen_data.model._arrow import (
-    events_to_table,
-    table_refs,
-    validate_table,
-)
-from poimen_data.model._events import (
-    ATTEMPT_STATES,
-    CONTEXT_TYPE,
-    COST_QUANTUM,
-    COST_TYPE,
-    EVENT_CLASSES,
-    EVENT_SCHEMA,
-    KIND_COLUMNS,
-    KINDS,
-    LABELS_TYPE,
-    LOG_SCHEMA,
-    REF_COLUMNS,
-    REF_TYPE,
-    RUN_ID_RE,
-    RUN_OUTCOMES,
-    RUN_STATES,
-    SHA256_RE,
-    STEP_ID_MAX,
-    TENANT_RE,
-    TERMINAL_ATTEMPT_STATES,
-    TOOLS_TYPE,
-    USAGE_TYPE,
-    VERIFIER_RE,
-    AttemptDispatched,
-    AttemptFinished,
-    AttemptRecovered,
-    BlobReduced,
-    BlobRef,
-    BranchForked,
-    ContextPartition,
-    Event,
-    RunCancelled,
-    RunFinished,
-    RunStarted,
-    ToolInfo,
-    Usage,
-    VerdictRecorded,
-    VerifyingEntered,
-    check_ref,
-    check_run_id,
-    check_tenant,
-    event_from_json,
-    event_from_row,
-    event_refs,
-    validate_event,
-)
+from poimen_data.model import *  # noqa: F403 - this module is the model's public path
+from poimen_data.model import __all__ as _model_names
 
-__all__ = [
-    "ATTEMPT_STATES",
-    "AttemptDispatched",
-    "AttemptFinished",
-    "AttemptRecovered",
-    "BlobReduced",
-    "BlobRef",
-    "BranchForked",
-    "check_ref",
-    "check_run_id",
-    "check_tenant",
-    "CONTEXT_TYPE",
-    "ContextPartition",
-    "COST_QUANTUM",
-    "COST_TYPE",
-    "Event",
-    "EVENT_CLASSES",
-    "event_from_json",
-    "event_from_row",
-    "event_refs",
-    "EVENT_SCHEMA",
-    "events_to_table",
-    "KIND_COLUMNS",
-    "KINDS",
-    "LABELS_TYPE",
-    "LOG_SCHEMA",
-    "REF_COLUMNS",
-    "REF_TYPE",
-    "RUN_ID_RE",
-    "RUN_OUTCOMES",
-    "RUN_STATES",
-    "RunCancelled",
-    "RunFinished",
-    "RunStarted",
-    "SHA256_RE",
-    "STEP_ID_MAX",
-    "table_refs",
-    "TENANT_RE",
-    "TERMINAL_ATTEMPT_STATES",
-    "ToolInfo",
-    "TOOLS_TYPE",
-    "Usage",
-    "USAGE_TYPE",
-    "validate_event",
-    "validate_table",
-    "ValidationError",
-    "VerdictRecorded",
-    "VERIFIER_RE",
-    "VerifyingEntered",
-]
+__all__ = [*_model_names, "ValidationError"]

@@ -2,52 +2,5 @@
 
 from __future__ import annotations
 
-from poimen_data.workload.synth import (
-    CANCEL_REASONS,
-    ERRORS,
-    MAX_ATTEMPTS,
-    MAX_BODY,
-    MIN_BODY,
-    PROMPT_TEMPLATE,
-    RETRIEVAL_STEPS,
-    STEP_FAIL,
-    STEP_TOOLS,
-    SUBJECTS,
-    TENANTS,
-    VERSION_DROP,
-    VERSION_FAIL,
-    VERSIONS,
-    WORKFLOWS,
-    SynthSummary,
-    Unit,
-    body,
-    events_table,
-    generate,
-    render_prompt,
-    units,
-)
-
-__all__ = [
-    "body",
-    "CANCEL_REASONS",
-    "ERRORS",
-    "events_table",
-    "generate",
-    "MAX_ATTEMPTS",
-    "MAX_BODY",
-    "MIN_BODY",
-    "PROMPT_TEMPLATE",
-    "render_prompt",
-    "RETRIEVAL_STEPS",
-    "STEP_FAIL",
-    "STEP_TOOLS",
-    "SUBJECTS",
-    "SynthSummary",
-    "TENANTS",
-    "Unit",
-    "units",
-    "VERSION_DROP",
-    "VERSION_FAIL",
-    "VERSIONS",
-    "WORKFLOWS",
-]
+from poimen_data.workload.synth import *  # noqa: F403 - this module is its public path
+from poimen_data.workload.synth import __all__ as __all__
