@@ -207,7 +207,7 @@ def _atomic_conditional_put() -> None:
 
 
 @contextmanager
-def _moto() -> Iterator[tuple[str, dict[str, Any]]]:
+def moto_s3() -> Iterator[tuple[str, dict[str, Any]]]:
     """A moto S3 server on 127.0.0.1 with a bucket: yields (bucket URL, storage options)."""
     import boto3
     from moto.server import ThreadedMotoServer
@@ -237,7 +237,7 @@ def group_commit_s3(ctx: Ctx) -> Result:
     """``group_commit`` on a log in S3 (moto on loopback): one manifest PUT per window
     instead of one per record."""
     per_ours, per_ref = (3, 1) if ctx.quick else (8, 2)
-    with _moto() as (base, opts):
+    with moto_s3() as (base, opts):
         m = _compare(ctx, lambda name: f"{base}/{name}", per_ours, per_ref, 2,
                      storage_options=opts)
     ratio = m["ours"] / m["ref"]
@@ -312,7 +312,7 @@ def s3_writers(ctx: Ctx) -> Result:
     on local disk (details and note). Total records/s and lost publish races per publish.
     The goal: N = 8 no slower in total than N = 1."""
     q = ctx.quick
-    with _moto() as (base, opts):
+    with moto_s3() as (base, opts):
         s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8)
         s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0)
     d = str(ctx.dir("writers"))  # local disk: full runs only (8 processes start slowly)

@@ -8,12 +8,10 @@ commits, a materialized state of 100,000 runs) are built once per run and kept i
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -741,30 +739,12 @@ def s3_commit(ctx: Ctx) -> Result:
     ``ThreadedMotoServer`` on 127.0.0.1 (started here), against the PUTs such a commit
     needs, timed bare through the same s3fs client: the two bodies, the segment, and a
     conditional PUT (``If-None-Match: *``) of a manifest of the real size."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    # werkzeug logs every request to stderr, over the table: keep it quiet meanwhile.
-    wz = logging.getLogger("werkzeug")
-    level = wz.level
-    wz.setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        url = f"http://{host}:{port}"
-        bucket = "poimen-bench"
-        boto3.client("s3", endpoint_url=url, aws_access_key_id="bench",
-                     aws_secret_access_key="bench", region_name="eu-west-1").create_bucket(
-            Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
-        opts = {"key": "bench", "secret": "bench",
-                "client_kwargs": {"endpoint_url": url, "region_name": "eu-west-1"}}
-        prefix = uuid.uuid4().hex
-        log = _open(f"s3://{bucket}/{prefix}/log", storage_options=opts)
+    with _rec.moto_s3() as (base, opts):
+        log = _open(f"{base}/log", storage_options=opts)
         _commit_small(log, _small_commit(ctx, 0))
         manifest = log.storage.read("_log/" + f"{1:020d}.json")
         fs = log.storage.fs
-        bare = f"{bucket}/{prefix}/bare"
+        bare = base.removeprefix("s3://") + "/bare"
         cur: dict[str, Any] = {"i": 0}
 
         def next_commit() -> None:
@@ -784,9 +764,6 @@ def s3_commit(ctx: Ctx) -> Result:
 
         t = interleave({"ours": ours, "ref": ref}, ctx.sizes.s3_commits,
                        each=next_commit)
-    finally:
-        server.stop()
-        wz.setLevel(level)
     return _time_result(ctx, "s3_commit", "S3 commit", GOALS["s3_commit"], t_ours=t["ours"],
                         t_ref=t["ref"], ref_label="4 PUTs",
                         note=f"{ctx.sizes.s3_commits} commits on moto (loopback); reference: "
