@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -180,6 +180,15 @@ def demo(runs: Annotated[int, typer.Option(min=1, help="How many runs to record.
 # --- sql -------------------------------------------------------------------------------
 
 
+def _refused(query: str) -> str | None:
+    """Why a locked-down ``poimen sql`` refuses ``query`` (None: DuckDB may run it)."""
+    from poimen_data.fold._connect import outside_statement
+
+    kind = outside_statement(query)
+    return None if kind is None else (
+        f"{kind} statements reach outside the log; rerun with --allow-external")
+
+
 def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
     rel = con.sql(query)
     if rel is None:
@@ -205,18 +214,6 @@ def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
     out.print(f"({n} row{'s' if n != 1 else ''}{more})", highlight=False)
 
 
-def lock_down(con: Any, *, allowed: Sequence[str] = ()) -> None:
-    """Close a connection to the outside: no file, URL, ATTACH, COPY ... TO or extension,
-    except under ``allowed`` directories (readable *and writable* by SQL, so keep it to
-    what views must scan), and no SQL can undo it. Views over tables registered from
-    Python (the log's events, Arrow datasets) are unaffected: register them first."""
-    if allowed:
-        con.execute("SET allowed_directories = " + "[" + ", ".join(
-            "'" + d.replace("'", "''") + "'" for d in allowed) + "]")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
-
-
 def _view_sql(name: str) -> str:
     from poimen_data.fold._fold import VIEW_SQL, view_sql
 
@@ -225,7 +222,7 @@ def _view_sql(name: str) -> str:
     return view_sql(name)
 
 
-def _repl(con: Any, max_rows: int) -> None:
+def _repl(con: Any, max_rows: int, *, locked: bool) -> None:
     """Read queries until EOF: a prompt with history on a terminal, lines from a pipe."""
     import duckdb
 
@@ -256,6 +253,10 @@ def _repl(con: Any, max_rows: int) -> None:
             continue
         if q in ("\\q", "exit", "quit"):
             return
+        why = _refused(q) if locked else None
+        if why is not None:
+            err.print(f"error: SQL: {why}", markup=False)
+            continue
         try:
             _print_query(con, q, False, max_rows)
         except duckdb.Error as exc:
@@ -288,11 +289,16 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
     con = pdm.connect(log, at_lsn=at_lsn, source=source,  # type: ignore[arg-type]
                       memory_limit=memory_limit)
     if not allow_external:
+        from poimen_data.fold._connect import lock_down
+
         lock_down(con)
     if query is None:
-        _repl(con, max_rows)
-    else:
-        _print_query(con, query, as_json, max_rows)
+        _repl(con, max_rows, locked=not allow_external)
+        return
+    why = None if allow_external else _refused(query)
+    if why is not None:
+        fail(f"SQL: {why}")
+    _print_query(con, query, as_json, max_rows)
 
 
 # --- show ------------------------------------------------------------------------------

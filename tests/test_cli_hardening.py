@@ -189,6 +189,52 @@ def test_sql_cannot_reach_files_or_extensions_by_default(query: str, root: str,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["secret.csv"]
 
 
+@pytest.fixture(scope="module")
+def materialized(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("hardening-state") / "log")
+    log = pdm.open_log(path)
+    for i in range(3):
+        record_run(log, f"run-{i}", STEPS)
+    pdm.materialize(log)
+    return path
+
+
+def _state_files(root: str) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in Path(root, "state").rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("query", [
+    "copy (select 1 as x) to '{file}' (use_tmp_file false)",
+    "copy (select 1 as x) to '{file}' (format csv, use_tmp_file false, overwrite true)",
+    "prepare p as copy (select 1 as x) to '{file}' (use_tmp_file false)",
+    "attach '{file}' as other",
+    "select 1; copy (select 1 as x) to '{file}' (use_tmp_file false)",
+])
+def test_sql_cannot_write_the_state_files_its_views_read(query: str, materialized: str) -> None:
+    """DuckDB itself may open exactly the state files (``allowed_paths``), and it lets SQL
+    write what it may read: the statement check refuses COPY, PREPARE and ATTACH first."""
+    before = _state_files(materialized)
+    file = next(Path(materialized, "state", "runs").glob("*.parquet"))
+    r = poimen("sql", "--root", materialized, query.format(file=file))
+    _one_error_line(r, "reach outside the log; rerun with --allow-external")
+    assert _state_files(materialized) == before
+    r = poimen("sql", "--root", materialized, "--json", "select count(*) as n, "
+               "getvariable('poimen_source') as source from runs")
+    assert r.exit_code == 0 and '"n": 3' in r.output and '"source": "state"' in r.output, \
+        r.output
+
+
+def test_sql_over_the_state_reads_no_other_file(materialized: str, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.csv"
+    secret.write_text("a,b\n1,2\n")
+    r = poimen("sql", "--root", materialized, f"select * from read_csv('{secret}')")
+    assert r.exit_code == 1 and r.output.startswith("error: SQL: "), r.output
+    assert "1" not in r.output.split("error: SQL: ")[0]
+
+
 def test_sql_views_and_blob_text_still_work_and_allow_external_opens_files(
         root: str, tmp_path: Path) -> None:
     r = poimen("sql", "--root", root, "--json",

@@ -71,8 +71,9 @@ def state_equals_views(log: pdm.EventLog) -> None:
             whole = pa.concat_tables(parts) if parts else _state.table_schemas()[t].empty_table()
             mem = duckdb.connect()
             mem.register("s", whole)
-            got = mem.sql(f"select * from s order by {', '.join(_fold.TABLE_KEYS[t])}")
-            want = con.sql(f"select * from {t}").to_arrow_table()
+            keys = ", ".join(_fold.TABLE_KEYS[t])
+            got = mem.sql(f"select * from s order by {keys}")
+            want = con.sql(f"select * from {t} order by {keys}").to_arrow_table()
             assert got.to_arrow_table().to_pylist() == want.to_pylist(), t
 
 
@@ -377,7 +378,7 @@ def test_every_backend_serves_the_same_state(root, small_chunks) -> None:
     fresh = root.open(create=False)
     assert all_episodes(fresh, "state") == all_episodes(fresh, "log")
     with pdm.connect(root.url, storage_options=root.storage_options) as con:
-        assert con.execute("select run_id, state from runs").fetchall() == [
+        assert con.execute("select run_id, state from runs order by run_id").fetchall() == [
             ("r0", "succeeded"), ("r1", "verifying"), ("r2", "verifying")]
         assert con.execute("select blob_text(output) from attempts where run_id = 'r2' "
                            "and branch_id = 1").fetchall() == [("output r2/1/test/1",)]

@@ -186,6 +186,27 @@ def test_runs_page_travels_in_time(client, log) -> None:
     assert f"read at LSN {lsn - 1} of {log.head}" in r.text
 
 
+def test_runs_page_summaries_follow_the_head_and_stay_at_an_old_lsn(tmp_path) -> None:
+    """Facets and charts are kept per (LSN, filter): a new commit shows at the head at
+    once, the page of an older LSN keeps its own counts, and pages share one summary."""
+    from poimen_data.testing import record_run
+
+    log = pdm.open_log(tmp_path / "log")
+    for i in range(3):
+        record_run(log, f"r{i}", [("plan", ["succeeded"]), ("code", ["failed", "failed"])])
+    pdm.materialize(log)
+    old = log.head
+    with TestClient(create_app(log), base_url="http://127.0.0.1") as c:
+        first = c.get("/", params={"limit": 25})
+        assert total(first.text) == 3
+        record_run(log, "r3", [("plan", ["succeeded"])])
+        now = c.get("/", params={"limit": 25})
+        assert total(now.text) == 4 and set(run_ids(now.text)) == {"r0", "r1", "r2", "r3"}
+        then = c.get("/", params={"limit": 25, "at_lsn": old})
+        assert total(then.text) == 3 and set(run_ids(then.text)) == {"r0", "r1", "r2"}
+        assert total(c.get("/", params={"limit": 25, "sort": "run_id"}).text) == 4
+
+
 # --- episode page ----------------------------------------------------------------------
 
 

@@ -18,7 +18,6 @@ import pyarrow.compute as pc
 from poimen_data.errors import CorruptionError, NotFound, ValidationError
 from poimen_data.fold._fold import (
     PER_RUN_TABLES,
-    TABLE_KEYS,
     VIEW_SQL,
     Source,
     new_connection,
@@ -34,6 +33,8 @@ SOURCES = ("auto", "state", "log")
 _PREFIX = "_poimen"
 #: The schema holding the tail's events and the fold's views over them.
 TAIL = f"{_PREFIX}_tail"
+#: A tail of events up to this size (Arrow bytes) is scanned in place, not copied.
+ARROW_TAIL_BYTES = 64 << 20
 
 
 class EventStream:
@@ -54,15 +55,26 @@ class EventStream:
 
 
 def _files_sql(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
-               table: str) -> str | None:
-    """The name of a scan over exactly the files the pointer lists (None when there are
-    none), registered from Python as an Arrow dataset: DuckDB itself opens no file, so a
-    connection locked down to the outside (``poimen sql``, the viewer) still reads the
-    state. A file a newer generation moved aside is read from where it went; the dataset
-    keeps these paths, so the connection survives one concurrent publish."""
+               table: str, native: list[str]) -> str | None:
+    """A scan over exactly the files the pointer lists (None when there are none). Local
+    files are read by DuckDB's own parquet reader, in the pointer's order (which is the
+    table's key order: no sort is needed), and their paths are added to ``native`` (the
+    connection's variable ``poimen_files``, which ``lock_down`` allows and nothing
+    else). Other storage is registered from Python as an Arrow dataset, so DuckDB opens
+    no file of its own. A file a newer generation moved aside is read from where it
+    went; the scan keeps these paths, so the connection survives one concurrent publish."""
     files = [locate(log, f, ptr) for f in ptr.tables.get(table, ())]
     if not files:
         return None
+    paths = [log.storage.native_path(f) for f in files]
+    if all(p is not None for p in paths):
+        listed = [p for p in paths if p is not None]
+        native.extend(listed)
+        # the list as a variable: binding a view whose text spells out hundreds of
+        # paths costs more than the query (DuckDB reads the variable when it binds)
+        var = f"{_PREFIX}_files_{table}"
+        con.execute(f"SET VARIABLE {var} = ?::VARCHAR[]", [listed])
+        return f"read_parquet(getvariable('{var}'))"
     name = f"{_PREFIX}_state_{table}"
     con.register(name, log.storage.arrow_dataset(files))
     return name
@@ -78,27 +90,36 @@ def _load(con: duckdb.DuckDBPyConnection, sql: str, table: pa.Table) -> None:
         con.unregister(f"{_PREFIX}_arrow")
 
 
-def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn: int) -> None:
+def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn: int,
+               native: list[str]) -> None:
     """Schema ``_poimen_tail``: the events of the runs that commits in ``(ptr.lsn, lsn]``
     touched, from each run's first event (found through the state's run index), plus
     those commits' reductions; the fold's views over them (DuckDB binds a view's names in
     its own schema first); and ``touched``, the runs whose state rows they replace. The
-    views fold when a query reads them, like the log's."""
+    views fold when a query reads them, like the log's. A tail under
+    ``ARROW_TAIL_BYTES`` stays an Arrow table DuckDB scans in place (copying it costs
+    more than folding it); a bigger one is copied into DuckDB, which may spill it."""
     new = pa.Table.from_batches(list(log.scan(lsn, ptr.lsn + 1)), ev.LOG_SCHEMA)
-    con.execute(f"CREATE SCHEMA {TAIL}")
-    _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
     touched = pc.unique(new.column("run_id").drop_null())
-    index = _files_sql(con, log, ptr, INDEX)
     lo = ptr.lsn + 1
+    index = _files_sql(con, log, ptr, INDEX, native)
     if len(touched) and index is None and ptr.tables.get("runs"):
         lo = 1  # no run index: the touched runs' first events may be anywhere
     elif len(touched) and index is not None:
+        con.register(f"{_PREFIX}_touched", pa.table({"run_id": touched}))
         first = con.execute(f"SELECT min(first_lsn) FROM {index} WHERE run_id IN "
-                            f"(SELECT run_id FROM {TAIL}.events)").fetchall()[0][0]
+                            f"(SELECT run_id FROM {_PREFIX}_touched)").fetchall()[0][0]
+        con.unregister(f"{_PREFIX}_touched")
         lo = lo if first is None else min(lo, int(first))
     if lo <= ptr.lsn:
-        older = run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo)
-        _load(con, f"INSERT INTO {TAIL}.events SELECT * FROM {{arrow}}", older)
+        new = pa.concat_tables([run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo), new])
+    con.execute(f"CREATE SCHEMA {TAIL}")
+    if new.nbytes <= ARROW_TAIL_BYTES:
+        # registered under another name: a temp ``events`` would shadow the schema's own
+        con.register(f"{TAIL}_events", new)
+        con.execute(f"CREATE VIEW {TAIL}.events AS SELECT * FROM {TAIL}_events")
+    else:
+        _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
     for name, sql in VIEW_SQL.items():
         con.execute(f"CREATE VIEW {TAIL}.{name} AS {sql}")
     con.execute(f"CREATE VIEW {TAIL}.touched AS SELECT DISTINCT run_id FROM {TAIL}.events "
@@ -107,20 +128,25 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
 
 def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
                  lsn: int) -> None:
-    """Create the views over the state's files, topped up with the tail's fold."""
+    """Create the views over the state's files, topped up with the tail's fold. A view
+    promises its rows, not their order (the files are in key order within each bucket
+    only): sorting 10 M-event states for every query cost 3x the query itself."""
     tail = ptr.lsn < lsn
+    native: list[str] = []
     if tail:
-        tail_views(con, log, ptr, lsn)
+        tail_views(con, log, ptr, lsn, native)
     for t, sql in VIEW_SQL.items():  # in dependency order, for the empty ones
         # A table with no file is the fold's text over no rows (DuckDB never scans for it).
-        src = _files_sql(con, log, ptr, t) or f"(SELECT * FROM ({sql}) WHERE false)"
-        body = f"SELECT * FROM {src}"
+        src = _files_sql(con, log, ptr, t, native)
+        body = f"SELECT * FROM {src or f'({sql}) WHERE false'}"
         if tail:
             if t in PER_RUN_TABLES:
-                body += f" WHERE run_id NOT IN (SELECT run_id FROM {TAIL}.touched)"
+                body = (f"SELECT s.* FROM {src or f'({sql}) WHERE false'} AS s ANTI JOIN "
+                        f"{TAIL}.touched AS t ON s.run_id = t.run_id")
             body += f" UNION ALL BY NAME SELECT * FROM {TAIL}.{t}"
-        con.execute(f"CREATE OR REPLACE VIEW {t} AS SELECT * FROM ({body}) "
-                    f"ORDER BY {', '.join(TABLE_KEYS[t])}")
+        con.execute(f"CREATE OR REPLACE VIEW {t} AS {body}")
+    if native:
+        con.execute("SET VARIABLE poimen_files = ?::VARCHAR[]", [native])
 
 
 def _log_views(con: duckdb.DuckDBPyConnection) -> None:
@@ -146,6 +172,43 @@ def _try_state(log: EventLog, ptr: Pointer, lsn: int,
         con.close()
         raise
     return con
+
+
+#: Statements that reach past the connection (files, databases, extensions); PREPARE may
+#: wrap any of them. A locked-down connection refuses them before DuckDB sees them.
+OUTSIDE_STATEMENTS = frozenset({
+    "COPY", "COPY_DATABASE", "EXPORT", "ATTACH", "DETACH", "LOAD", "EXTENSION",
+    "UPDATE_EXTENSIONS", "PREPARE", "MULTI",
+})
+
+
+def lock_down(con: duckdb.DuckDBPyConnection) -> None:
+    """Close a ``connect()`` connection to the outside: no file, URL, ATTACH, COPY or
+    extension, and no SQL can undo it. DuckDB may still open exactly the state files its
+    views read (``poimen_files``); since DuckDB lets SQL write what it may read, callers
+    that run a user's SQL also check it with ``outside_statement`` first."""
+    files = con.execute("SELECT getvariable('poimen_files')").fetchall()[0][0] or []
+    if files:
+        con.execute("SET allowed_paths = ?", [files])
+    for setting in ("SET python_enable_replacements = false",
+                    "SET enable_external_access = false",
+                    "SET lock_configuration = true"):
+        con.execute(setting)
+
+
+def outside_statement(query: str) -> str | None:
+    """The type of the first statement in ``query`` that reaches outside a locked-down
+    connection (``OUTSIDE_STATEMENTS``), or None. A query DuckDB cannot parse is left
+    to DuckDB, which reports it."""
+    try:
+        statements = duckdb.extract_statements(query)
+    except duckdb.Error:
+        return None
+    for st in statements:
+        kind = st.type.name
+        if kind in OUTSIDE_STATEMENTS:
+            return kind
+    return None
 
 
 def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
@@ -221,4 +284,7 @@ def connect(
                       source=source, memory=memory_limit)
 
 
-__all__ = ["SOURCES", "TAIL", "EventStream", "connect", "open_views", "tail_views"]
+__all__ = [
+    "OUTSIDE_STATEMENTS", "SOURCES", "TAIL", "EventStream", "connect", "lock_down",
+    "open_views", "outside_statement", "tail_views",
+]

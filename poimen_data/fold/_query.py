@@ -326,11 +326,16 @@ def one_episode(tables: Mapping[str, pa.Table], run_id: str, *, at_lsn: int,
     raise NotFound(f"no run {run_id!r} in the log at lsn {at_lsn}")
 
 
+def _fold_run(log: EventLog, run_id: str, *, at_lsn: int, names: tuple[str, ...],
+              min_lsn: int = 1) -> dict[str, pa.Table]:
+    """Fold one run from the log (its events only: every fold rule is per run)."""
+    return fold_tables(run_events(log, [run_id], at_lsn=at_lsn, min_lsn=min_lsn), names)
+
+
 def fold_episode(log: EventLog, run_id: str, *, at_lsn: int, all_branches: bool,
                  min_lsn: int = 1) -> EpisodeView:
     """Fold one run from the log (its events only: every fold rule is per run)."""
-    tables = fold_tables(run_events(log, [run_id], at_lsn=at_lsn, min_lsn=min_lsn),
-                         EPISODE_TABLES)
+    tables = _fold_run(log, run_id, at_lsn=at_lsn, names=EPISODE_TABLES, min_lsn=min_lsn)
     return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
 
 
@@ -347,15 +352,21 @@ def _locate(log: EventLog, ptr: Pointer, run_id: str) -> tuple[tuple[int, int], 
     return None
 
 
+def _state_run(log: EventLog, ptr: Pointer, run_id: str,
+               names: tuple[str, ...]) -> dict[str, pa.Table]:
+    """The run's rows of each table from its (bucket, chunk) file (empty: no such run)."""
+    where = _locate(log, ptr, run_id)
+    tables = {}
+    for t in names:
+        f = None if where is None else next(
+            (f for f in ptr.tables.get(t, ()) if f.key == where[0]), None)
+        tables[t] = read_run(log, f, run_id, ptr) if f else table_schemas()[t].empty_table()
+    return tables
+
+
 def _serve(log: EventLog, ptr: Pointer, run_id: str, *, at_lsn: int,
            all_branches: bool) -> EpisodeView:
-    where = _locate(log, ptr, run_id)
-    if where is None:
-        raise NotFound(f"no run {run_id!r} in the log at lsn {at_lsn}")
-    tables = {}
-    for t in EPISODE_TABLES:
-        f = next((f for f in ptr.tables[t] if f.key == where[0]), None)
-        tables[t] = read_run(log, f, run_id, ptr) if f else table_schemas()[t].empty_table()
+    tables = _state_run(log, ptr, run_id, EPISODE_TABLES)
     return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
 
 
@@ -375,23 +386,33 @@ def episode_from_state(log: EventLog, run_id: str, *, at_lsn: int,
     raise AssertionError("unreachable")
 
 
-def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,
-                 all_branches: bool) -> EpisodeView:
-    """Serve from the state; fold the run again when later commits touched it."""
+def run_tables(log: EventLog, run_id: str, *, at_lsn: int,
+               names: tuple[str, ...] = EPISODE_TABLES) -> dict[str, pa.Table]:
+    """One run's rows of each named per-run table at ``at_lsn`` (empty tables when there
+    is no such run), served as ``episode(source="auto")`` serves: from the run's state
+    file when no later commit touched it, else by folding its events from its first
+    (through the run index), else by folding it from the log. A point read: never a
+    scan of a whole table."""
     ptr = usable_pointer(log)
     if ptr is None or ptr.lsn > at_lsn:
-        return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
+        return _fold_run(log, run_id, at_lsn=at_lsn, names=names)
     try:
         if ptr.lsn < at_lsn:
             newer = log.scan(at_lsn, ptr.lsn + 1, columns=("run_id",), run_ids=[run_id])
             if any(b.num_rows for b in newer):
                 where = _locate(log, ptr, run_id)
                 lo = where[1] if where is not None else ptr.lsn + 1
-                return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches,
-                                    min_lsn=lo)
-        return _serve(log, ptr, run_id, at_lsn=at_lsn, all_branches=all_branches)
+                return _fold_run(log, run_id, at_lsn=at_lsn, names=names, min_lsn=lo)
+        return _state_run(log, ptr, run_id, names)
     except (CorruptionError, StateChanged):  # damaged, or replaced while read: the log
-        return fold_episode(log, run_id, at_lsn=at_lsn, all_branches=all_branches)
+        return _fold_run(log, run_id, at_lsn=at_lsn, names=names)
+
+
+def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,
+                 all_branches: bool) -> EpisodeView:
+    """Serve from the state; fold the run again when later commits touched it."""
+    tables = run_tables(log, run_id, at_lsn=at_lsn)
+    return one_episode(tables, run_id, at_lsn=at_lsn, all_branches=all_branches)
 
 
 def resolve_lsn(log: EventLog, at_lsn: int | None) -> int:
@@ -432,4 +453,5 @@ def episode(
     return episode_auto(log, run_id, at_lsn=lsn, all_branches=all_branches)
 
 
-__all__ = ["AttemptView", "BranchView", "EpisodeView", "episode", "episodes_from_tables"]
+__all__ = ["AttemptView", "BranchView", "EpisodeView", "episode", "episodes_from_tables",
+           "one_episode", "run_tables"]

@@ -66,6 +66,11 @@ class Storage(ABC):
         """A binary file object for reading ``rel`` piecewise (parquet row groups)."""
         return self.fs.open(self.full(rel), "rb")
 
+    def native_path(self, rel: str) -> str | None:
+        """A path DuckDB can open with its own reader and no credentials (local files);
+        None where it must read through this storage (``arrow_dataset``)."""
+        return None
+
     def arrow_filesystem(self) -> Any:
         """This storage as a ``pyarrow.fs`` filesystem (for ``pyarrow.dataset``)."""
         from pyarrow.fs import FSSpecHandler, PyFileSystem

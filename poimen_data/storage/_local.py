@@ -32,6 +32,9 @@ class LocalStorage(Storage):
     def url_of(self, rel: str) -> str:
         return self.full(rel)
 
+    def native_path(self, rel: str) -> str | None:
+        return self.full(rel)
+
     def _makedirs(self, d: str) -> None:
         if d not in self._dirs:
             os.makedirs(d, exist_ok=True)

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from poimen_data.errors import NotFound, PoimenError, ValidationError
 from poimen_data.fold._connect import connect
-from poimen_data.fold._query import episode
+from poimen_data.fold._query import episode, one_episode, run_tables
 from poimen_data.log._blobs import BlobStore
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import check_run_id
@@ -42,6 +42,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 #: Connections kept per LSN (a new head makes a new one; old ones are closed).
 KEEP_CONNECTIONS = 3
+#: Runs-page summaries kept, by (LSN, filter).
+KEEP_SUMMARIES = 64
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -56,6 +58,25 @@ class Viewer:
         self._lock = threading.Lock()
         self._cons: dict[str, OrderedDict[int, tuple[Any, threading.Lock]]] = {
             "views": OrderedDict(), "sql": OrderedDict()}
+        self._summaries: OrderedDict[tuple[int, rq.RunFilter], Any] = OrderedDict()
+
+    def summary(self, lsn: int, f: rq.RunFilter,
+                make: Callable[[duckdb.DuckDBPyConnection], Any]) -> Any:
+        """What the runs page shows beside the rows (facet counts, charts, verifiers) for
+        one filter at one LSN, computed once: the log at an LSN never changes, and paging
+        or re-sorting the same runs should not scan every attempt again."""
+        key = (lsn, f)
+        with self._lock:
+            if key in self._summaries:
+                self._summaries.move_to_end(key)
+                return self._summaries[key]
+        with self.con(lsn) as con:
+            value = make(con)
+        with self._lock:
+            self._summaries[key] = value
+            while len(self._summaries) > KEEP_SUMMARIES:
+                self._summaries.popitem(last=False)
+        return value
 
     def lsn(self, request: Request) -> tuple[int, bool]:
         """(the LSN to read at, whether the user asked for it) from ``?at_lsn=``."""
@@ -172,11 +193,11 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
     def runs_page(request: Request) -> Response:
         lsn, asked = viewer.lsn(request)
         q = rq.parse_query(request.query_params)
+        facets, verifiers, heat = viewer.summary(lsn, q.filter, lambda con: (
+            rq.facets(con, q.filter), rq.verifiers(con),
+            svg.failure_heatmap(rq.failure_rates(con, q.filter))))
         with viewer.con(lsn) as con:
-            facets = rq.facets(con, q.filter)
             rows = rq.page(con, q)
-            verifiers = rq.verifiers(con)
-            heat = svg.failure_heatmap(rq.failure_rates(con, q.filter))
         cost = None
         if facets.started_lo is not None:
             cost = svg.cost_bars(facets.started_lo, facets.bucket_s, facets.cost,
@@ -193,9 +214,10 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
         run_id = request.path_params["run_id"]
         check_run_id(run_id, "view")
         lsn, asked = viewer.lsn(request)
-        view = episode(viewer.log, run_id, all_branches=True, at_lsn=lsn)
-        with viewer.con(lsn) as con:
-            facts = ep.run_facts(con, run_id)
+        # one run's rows, read like episode() reads them: never a scan of a whole view
+        tables = run_tables(viewer.log, run_id, at_lsn=lsn, names=ep.PAGE_TABLES)
+        view = one_episode(tables, run_id, at_lsn=lsn, all_branches=True)
+        facts = ep.run_facts(tables)
         recovered = facts["recovered"]
         state_of = {(b.branch_id, a.step, a.attempt): ep.display_state(a, recovered,
                                                                         b.branch_id)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import difflib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound
 from poimen_data.fold._query import AttemptView, BranchView, EpisodeView
@@ -94,23 +97,28 @@ def branch_pages(view: EpisodeView, recovered: set[tuple[int, str, int]]
     return pages
 
 
-def run_facts(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
-    """The run's row, its verdicts, anomalies and recovered attempts (no bodies)."""
+#: The per-run tables the episode page reads (one run's rows each: ``run_tables``).
+PAGE_TABLES = ("runs", "branches", "attempts", "verdicts", "anomalies")
+
+
+def run_facts(tables: Mapping[str, pa.Table]) -> dict[str, Any]:
+    """The run's row, its verdicts, anomalies and recovered attempts (no bodies), from
+    the run's rows of ``PAGE_TABLES``."""
     cols = ("run_id", "tenant", "workflow_version", "state", "live_branch", "n_branches",
             "n_attempts", "n_failed_attempts", "cost_usd", "started_at", "ended_at",
             "verifying_lsn", "last_lsn")
-    row = con.execute(f"SELECT {', '.join(cols)} FROM runs WHERE run_id = $r",
-                      {"r": run_id}).fetchall()
-    verdicts = con.execute(
-        "SELECT verifier, branch_id, snapshot_lsn, passed, score, detail, lsn FROM verdicts "
-        "WHERE run_id = $r ORDER BY lsn", {"r": run_id}).fetchall()
-    anomalies = con.execute("SELECT lsn, kind, reason FROM anomalies WHERE run_id = $r "
-                            "ORDER BY lsn, reason", {"r": run_id}).fetchall()
-    recovered = con.execute("SELECT branch_id, step_id, attempt_no FROM attempts "
-                            "WHERE run_id = $r AND recovered", {"r": run_id}).fetchall()
-    return {"run": dict(zip(cols, row[0], strict=True)) if row else None,
-            "verdicts": [dict(zip(("verifier", "branch_id", "snapshot_lsn", "passed", "score",
-                                   "detail", "lsn"), v, strict=True)) for v in verdicts],
+    row = tables["runs"].select(list(cols)).to_pylist()
+    vcols = ["verifier", "branch_id", "snapshot_lsn", "passed", "score", "detail", "lsn"]
+    verdicts = tables["verdicts"].select(vcols).sort_by("lsn").to_pylist()
+    anomalies = [(a["lsn"], a["kind"], a["reason"]) for a in tables["anomalies"]
+                 .select(["lsn", "kind", "reason"])
+                 .sort_by([("lsn", "ascending"), ("reason", "ascending")]).to_pylist()]
+    att = tables["attempts"]
+    att = att.filter(pc.fill_null(att.column("recovered"), False))
+    recovered = zip(att.column("branch_id").to_pylist(), att.column("step_id").to_pylist(),
+                    att.column("attempt_no").to_pylist(), strict=True)
+    return {"run": row[0] if row else None,
+            "verdicts": verdicts,
             "anomalies": anomalies,
             "recovered": {(int(b), str(s), int(n)) for b, s, n in recovered}}
 

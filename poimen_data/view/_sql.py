@@ -1,8 +1,9 @@
 """The SQL page's sandbox: one read-only SELECT over the views, on a connection of its own.
 
 Two locks: the statement must parse as a single SELECT (or EXPLAIN), and the connection
-has external access off (no file reads or writes, no ATTACH, INSTALL or LOAD), Python
-replacement scans off, and its configuration locked so a query cannot turn them back on.
+has external access off (no file reads or writes but the state files its views read, no
+ATTACH, INSTALL or LOAD), Python replacement scans off, and its configuration locked so a
+query cannot turn them back on (``fold._connect.lock_down``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from poimen_data.fold._connect import connect
+from poimen_data.fold._connect import connect, lock_down
 from poimen_data.log._log import EventLog
 
 #: Rows the page shows; a download carries up to ``DOWNLOAD_ROWS``.
@@ -42,14 +43,11 @@ def one_line(exc: BaseException) -> str:
 def sandbox(log: EventLog, at_lsn: int) -> duckdb.DuckDBPyConnection:
     """A connection over the views at ``at_lsn`` that can only read what they read."""
     con = connect(log, at_lsn=at_lsn)
-    if "://" not in log.root or log.root.startswith("file://"):
-        # state files under the root stay readable if the views ever read them
-        root = log.root.removeprefix("file://").rstrip("/")
-        con.execute("SET allowed_directories = $d", {"d": [f"{root}/state/"]})
-    for setting in ("SET python_enable_replacements = false",
-                    "SET enable_external_access = false",
-                    "SET lock_configuration = true"):
-        con.execute(setting)
+    try:
+        lock_down(con)
+    except BaseException:
+        con.close()
+        raise
     return con
 
 
