@@ -106,7 +106,12 @@ class Recorder:
         self.max_events = max_events
         self.max_bytes = max_bytes
         self.commits = 0  # window commits published (a fallback commit counts too)
-        self._cond = threading.Condition()
+        # one lock, a condition per waiter: the gatherer (records, a free hand-over slot,
+        # an idle committer), the committer (a closed window), flush (resolved records)
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._commit_cv = threading.Condition(lock)
+        self._done_cv = threading.Condition(lock)
         self._inbox: deque[_Record] = deque()
         self._next_no = 1
         self._done_no = 0  # every record numbered up to this one is resolved
@@ -164,7 +169,7 @@ class Recorder:
             rec = _Record(self._next_no, evs, bodies, nbytes)
             self._next_no += 1
             self._inbox.append(rec)
-            self._cond.notify_all()
+            self._cond.notify()
         return rec.future
 
     async def arecord(self, events: Iterable[ev.Event], *,
@@ -214,10 +219,10 @@ class Recorder:
         with self._cond:
             target = self._next_no - 1
             self._flushing += 1
-            self._cond.notify_all()
+            self._cond.notify()
             try:
                 while self._done_no < target:
-                    self._cond.wait()
+                    self._done_cv.wait()
             finally:
                 self._flushing -= 1
 
@@ -229,6 +234,7 @@ class Recorder:
                 return
             self._closed = True
             self._cond.notify_all()
+            self._commit_cv.notify_all()
         if threading.current_thread() not in (self._gatherer, self._committer):
             self._gatherer.join()
             self._committer.join()
@@ -245,7 +251,10 @@ class Recorder:
                     self._hand(_STOP)
                     return
             tx = self.log.transaction()
-            tx.io_pool, tx.max_io_in_flight = _BODY_IO, BODIES_IN_FLIGHT
+            if tx.defer_sync():  # bodies are cheap page-cache writes: made here, no handoff
+                tx.io_pool = None
+            else:  # one fsync or one PUT each: many at once
+                tx.io_pool, tx.max_io_in_flight = _BODY_IO, BODIES_IN_FLIGHT
             win = _Window(tx, time.monotonic())
             try:
                 self._fill(win)
@@ -298,7 +307,7 @@ class Recorder:
             for key, data in rec.bodies.items():
                 # written in the background from now on; a body this recorder has not
                 # committed yet is staged without looking for a committed copy first
-                win.tx.put_blob(key[0], data, reuse=key in self._known)
+                win.tx.put_checked(key[0], key[1], data, reuse=key in self._known)
                 win.keys.append(key)
         except Exception:  # noqa: BLE001 - the commit then goes record by record
             win.poisoned = True
@@ -319,7 +328,7 @@ class Recorder:
         while self._ready is not None:
             self._cond.wait()
         self._ready = win
-        self._cond.notify_all()
+        self._commit_cv.notify()
 
     # -- the committer: publishes windows in order -------------------------------------
 
@@ -327,10 +336,10 @@ class Recorder:
         while True:
             with self._cond:
                 while self._ready is None:
-                    self._cond.wait()
+                    self._commit_cv.wait()
                 win, self._ready = self._ready, None
                 self._busy = True
-                self._cond.notify_all()
+                self._cond.notify()
             if win is _STOP:
                 return
             assert isinstance(win, _Window)
@@ -341,7 +350,8 @@ class Recorder:
             with self._cond:
                 self._busy = False
                 self._done_no = win.last_no  # windows are published in order
-                self._cond.notify_all()
+                self._cond.notify()
+                self._done_cv.notify_all()
 
     def _commit(self, win: _Window) -> None:
         if not win.records or win.poisoned:
