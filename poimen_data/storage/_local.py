@@ -110,7 +110,7 @@ class LocalStorage(Storage):
         self._makedirs(os.path.dirname(path))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)  # type: ignore[arg-type]  # pa.Buffer has the protocol
+            view = memoryview(data)  # pa.Buffer has the buffer protocol
             while view:  # os.write: no buffered file object (3 syscalls fewer)
                 view = view[os.write(fd, view):]
             if sync and self.durable:
@@ -246,7 +246,7 @@ def _load_syncfs() -> Callable[[int], int] | None:
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _syncfs = _load_syncfs()
