@@ -65,6 +65,7 @@ class Transaction:
     # bodies (one fsync or one PUT each), or writes them itself under ``defer_sync``.
     io_pool: BackgroundPool | None = IO_POOL
     max_io_in_flight: int = MAX_IO_IN_FLIGHT
+    io_chunk: int = 1  # bodies per pool task: small page-cache writes go in batches
 
     def __init__(self, log: LogInternals) -> None:
         self.log = log
@@ -83,6 +84,7 @@ class Transaction:
         self._checks: list[Future[None]] = []  # checks of big tables still running
         self._io: list[Future[Any]] = []  # staged bodies and segment being written
         self._io_bytes = 0
+        self._queued: list[tuple[str, bytes]] = []  # bodies waiting to fill an io_chunk
         self._spec: tuple[pa.Table, Future[SegmentInfo]] | None = None  # see extend
         self._batch: DurableBatch | None = None  # see defer_sync
         self.commit_info: CommitInfo | None = None
@@ -148,11 +150,25 @@ class Transaction:
         if wait or not self.log.storage.background_io or self.io_pool is None:
             self._write_new(path, data, "blob_staged")
         else:  # written while the caller goes on; commit waits for it before publishing
-            if len(self._io) >= self.max_io_in_flight \
-                    or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
-                self._join_io()
-            self._io.append(self.io_pool.submit(self._write_new, path, data, "blob_staged"))
+            self._queued.append((path, data))
             self._io_bytes += len(data)
+            if len(self._queued) >= self.io_chunk:
+                self.start_writes()
+
+    def start_writes(self) -> None:
+        """Hand the bodies still queued for a full ``io_chunk`` to the I/O pool now
+        (``commit`` does it too)."""
+        if not self._queued:
+            return
+        if len(self._io) >= self.max_io_in_flight or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
+            self._join_io()
+        queued, self._queued = self._queued, []
+        assert self.io_pool is not None
+        self._io.append(self.io_pool.submit(self._write_all, queued))
+
+    def _write_all(self, items: list[tuple[str, bytes]]) -> None:
+        for path, data in items:
+            self._write_new(path, data, "blob_staged")
 
     def _write_new(self, path: str, data: Any, point: str) -> None:
         with write_in_flight():
@@ -167,6 +183,7 @@ class Transaction:
 
     def _join_io(self) -> None:
         """Wait for this transaction's files in flight; raise the first write error."""
+        self.start_writes()
         errors = [exc for f in self._io if (exc := f.exception()) is not None]
         self._io, self._io_bytes = [], 0  # only once all landed: abort waits for the rest
         if errors:
@@ -237,6 +254,7 @@ class Transaction:
         self._done = True
         for f in self._checks:
             f.cancel()
+        self._queued = []
         for f in self._io:  # writes not started never will; those running land first,
             f.cancel()      # so the cleanup below sees them
         for f in self._io:
