@@ -100,13 +100,15 @@ class Recorder:
     """Gathers the records of concurrent producers into one commit per window.
 
     A window opens with its first record and closes once that record has waited
-    ``max_delay_ms`` and the previous window is published, or as soon as one more record
-    would take it past ``max_events`` events or ``max_bytes`` of bodies (a record is never
-    split: a bigger one is a window of its own). While a window commits the next one
-    gathers and writes its bodies, so a busy recorder makes bigger windows.
+    ``max_delay_ms`` and the window before it has been taken by the committer (which may
+    still be publishing it), or as soon as one more record would take it past
+    ``max_events`` events or ``max_bytes`` of bodies (a record is never split: a bigger
+    one is a window of its own). While one window publishes, the next may wait closed and
+    a third gathers and writes its bodies, so a busy recorder makes bigger windows, and
+    producers of the next window do their Python work while the disk syncs.
 
-    On local disk the gatherer writes each body itself (a page-cache write, no handoff to
-    a pool) and the window's bodies and segment are made durable by one ``syncfs`` just
+    On local disk a window's bodies are written by the I/O pool a few per task without an
+    fsync each, and the bodies and the segment are made durable by one ``syncfs`` just
     before the publish (``Transaction.defer_sync``; an fsync per file where there is no
     syncfs). What bounds it, measured on the 2 shared cores of this project's machines
     (README "Performance"): CPU, not fsync. 64 producers and their records cost about
@@ -315,7 +317,7 @@ class Recorder:
                 return self._inbox.popleft()
             if not win.records:
                 return None  # every record so far was cancelled
-            idle = self._ready is None and not self._busy
+            idle = self._ready is None  # the committer may still publish the one before
             left = win.opened + self.max_delay - time.monotonic()
             if idle and (left <= 0 or self._flushing or self._closed):
                 return None
