@@ -150,6 +150,8 @@ class Recorder:
         self._closed = False
         self._ready: _Window | object | None = None  # closed window handed to the committer
         self._busy = False  # the committer is publishing a window
+        self._contended = False  # the last publish lost a race to another writer
+        self._retries = log.publish_retries
         # bodies this recorder committed lately (the gatherer reads, the committer writes)
         self._known: OrderedDict[BlobKey, None] = OrderedDict()
         self._gatherer = threading.Thread(target=self._gather_loop, daemon=True,
@@ -317,7 +319,9 @@ class Recorder:
                 return self._inbox.popleft()
             if not win.records:
                 return None  # every record so far was cancelled
-            idle = self._ready is None  # the committer may still publish the one before
+            # the committer may still publish the window before, unless publishes lose
+            # races to other writers: then one window at a time, bigger, fewer to race
+            idle = self._ready is None and not (self._busy and self._contended)
             left = win.opened + self.max_delay - time.monotonic()
             if idle and (left <= 0 or self._flushing or self._closed):
                 return None
@@ -401,6 +405,8 @@ class Recorder:
             self._fail(win.records, exc)
             return
         self.commits += info.seq is not None
+        retries = self.log.publish_retries
+        self._contended, self._retries = retries > self._retries, retries
         for key in win.keys:
             self._known[key] = None
             self._known.move_to_end(key)
