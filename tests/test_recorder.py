@@ -476,3 +476,23 @@ def test_defer_sync_comes_before_any_staged_file(tmp_path: Path) -> None:
         tx.defer_sync()
     tx.abort()
     assert pdm.open_log(str(tmp_path / "log"), durable=False).storage.durable_batch() is None
+
+
+def test_a_window_of_more_bodies_than_writes_in_flight_commits_them_all(
+        tmp_path: Path) -> None:
+    """600 bodies in one window: more than the recorder's bodies per task times tasks in
+    flight (8 x 64), so staging waits for writes in flight midway."""
+    from poimen_data.log import _recorder
+
+    assert 600 > _recorder.BODIES_PER_TASK * _recorder.BODIES_IN_FLIGHT
+    log = pdm.open_log(str(tmp_path / "log"))
+    bodies = [f"body {i} ".encode() * 3 for i in range(600)]
+    refs = [blob_ref("acme", b) for b in bodies]
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        fut = rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, i + 1, prompt=r)
+                          for i, r in enumerate(refs)], blobs=dict(zip(refs, bodies, strict=True)))
+        rec.flush()
+        assert fut.result(timeout=0).seq == 1
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert [again.blobs.get(r) for r in refs] == bodies
+    assert again.read_manifest(1).n_events == 600

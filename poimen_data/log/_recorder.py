@@ -111,8 +111,8 @@ class Recorder:
     fsync each, and the bodies and the segment are made durable by one ``syncfs`` just
     before the publish (``Transaction.defer_sync``; an fsync per file where there is no
     syncfs). What bounds it, measured on the 2 shared cores of this project's machines
-    (README "Performance"): CPU, not fsync. 64 producers and their records cost about
-    330 us of CPU per record (down from 800), of which the kernel takes about 40 %:
+    (README "Performance"): CPU, not fsync. 64 producers and their records cost 300 to
+    380 us of CPU per record (450 to 800 before), of which the kernel takes about 40 %:
     creating each body's file (one inode per body in a content-addressed store; ext4
     without a journal spends 20 to 500 us per new inode there, scanning past inodes
     freed in the last 30 s), thread switches and futex hand-offs of the GIL between 64

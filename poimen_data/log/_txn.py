@@ -160,9 +160,10 @@ class Transaction:
         (``commit`` does it too)."""
         if not self._queued:
             return
-        if len(self._io) >= self.max_io_in_flight or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
-            self._join_io()
         queued, self._queued = self._queued, []
+        if len(self._io) >= self.max_io_in_flight or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
+            self._join_io()  # (nothing queued now: it does not come back here)
+            self._io_bytes = sum(len(data) for _path, data in queued)
         assert self.io_pool is not None
         self._io.append(self.io_pool.submit(self._write_all, queued))
 
