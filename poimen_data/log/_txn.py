@@ -62,7 +62,8 @@ class Transaction:
 
     # Where staged bodies are written (None: by the caller's thread), and how many at
     # most at a time: the group-commit recorder widens both for a window of many small
-    # bodies (one fsync or one PUT each), or writes them itself under ``defer_sync``.
+    # bodies (one fsync or one PUT each), and under ``defer_sync`` (page-cache writes)
+    # hands them over ``io_chunk`` at a time.
     io_pool: BackgroundPool | None = IO_POOL
     max_io_in_flight: int = MAX_IO_IN_FLIGHT
     io_chunk: int = 1  # bodies per pool task: small page-cache writes go in batches
