@@ -412,3 +412,87 @@ def test_a_body_is_uploaded_once_per_recorder_and_staged_again_when_unknown(
     again = root.open()
     assert again.blobs.get(new) == body
     assert again.blobs.get(ref) == b"committed by another writer"
+
+
+def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Linux a window's bodies and segment are written without an fsync each and made
+    durable together by one syncfs, before the manifest's link; elsewhere (no syncfs)
+    each body is fsynced as it is written. The real calls run: they are only counted."""
+    from poimen_data.storage import _local
+
+    if _local._syncfs is None:
+        pytest.skip("syncfs(2) is Linux only")
+    calls: list[str] = []
+    real_fsync, real_link, real_syncfs = os.fsync, os.link, _local._syncfs
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync")
+        real_fsync(fd)
+
+    def link(src: str, dst: str) -> None:
+        calls.append("link")
+        real_link(src, dst)
+
+    def syncfs(fd: int) -> int:
+        calls.append("syncfs")
+        return real_syncfs(fd)
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(_local, "_syncfs", syncfs)
+    bodies = [f"body {i}".encode() * 100 for i in range(6)]
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        futs = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1,
+                                                prompt=blob_ref("acme", b))],
+                           blobs={blob_ref("acme", b): b}) for i, b in enumerate(bodies)]
+        rec.flush()
+        assert {f.result(timeout=0).seq for f in futs} == {1}
+        # one syncfs for the 6 bodies and the segment, then the manifest: its temp
+        # file's fsync, the link, its directory's fsync
+        assert calls == ["syncfs", "fsync", "link", "fsync"]
+
+        monkeypatch.setattr(_local, "_syncfs", None)  # as on a system without syncfs
+        assert log.storage.durable_batch() is None
+        calls.clear()
+        more = [b"other " * 50 + bytes([i]) for i in range(3)]
+        futs = [rec.record([E.AttemptDispatched("acme", f"q{i}", 0, "s", 0, 1,
+                                                prompt=blob_ref("acme", b))],
+                           blobs={blob_ref("acme", b): b}) for i, b in enumerate(more)]
+        rec.flush()
+        assert {f.result(timeout=0).seq for f in futs} == {2}
+        assert calls.count("syncfs") == 0
+        assert calls.index("link") == 3 + 1 + 1  # 3 bodies, the segment, the manifest
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert [again.blobs.get(blob_ref("acme", b)) for b in bodies + more] == bodies + more
+
+
+def test_defer_sync_comes_before_any_staged_file(tmp_path: Path) -> None:
+    log = pdm.open_log(str(tmp_path / "log"))
+    tx = log.transaction()
+    tx.put_blob("acme", b"already staged")
+    with pytest.raises(pdm.PoimenError, match="before staging"):
+        tx.defer_sync()
+    tx.abort()
+    assert pdm.open_log(str(tmp_path / "log"), durable=False).storage.durable_batch() is None
+
+
+def test_a_window_of_more_bodies_than_writes_in_flight_commits_them_all(
+        tmp_path: Path) -> None:
+    """600 bodies in one window: more than the recorder's bodies per task times tasks in
+    flight (8 x 64), so staging waits for writes in flight midway."""
+    from poimen_data.log import _recorder
+
+    assert 600 > _recorder.BODIES_PER_TASK * _recorder.BODIES_IN_FLIGHT
+    log = pdm.open_log(str(tmp_path / "log"))
+    bodies = [f"body {i} ".encode() * 3 for i in range(600)]
+    refs = [blob_ref("acme", b) for b in bodies]
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        fut = rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, i + 1, prompt=r)
+                          for i, r in enumerate(refs)], blobs=dict(zip(refs, bodies, strict=True)))
+        rec.flush()
+        assert fut.result(timeout=0).seq == 1
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert [again.blobs.get(r) for r in refs] == bodies
+    assert again.read_manifest(1).n_events == 600

@@ -207,19 +207,38 @@ def _atomic_conditional_put() -> None:
 
 
 @contextmanager
-def moto_s3() -> Iterator[tuple[str, dict[str, Any]]]:
-    """A moto S3 server on 127.0.0.1 with a bucket: yields (bucket URL, storage options)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
+def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A moto S3 server on 127.0.0.1 with a bucket: yields (bucket URL, storage options).
 
-    _atomic_conditional_put()
-    wz = logging.getLogger("werkzeug")
-    level = wz.level
-    wz.setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
+    ``own_process`` serves it from a child process, as a real S3 is: in this process moto
+    would share the GIL (and one core) with the writers it serves, and its own CPU (most
+    of a commit's, here) would be charged to whichever side makes more requests."""
+    import boto3
+
+    child = None
+    server = None
+    if own_process:
+        env = {k: v for k, v in os.environ.items() if k != "POIMEN_CRASH_AT"}
+        child = subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder",
+                                  "--moto"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 env=env)
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if not line.strip().isdigit():
+            child.kill()
+            raise RuntimeError("the moto server process did not start")
+        host, port = "127.0.0.1", int(line)
+    else:
+        from moto.server import ThreadedMotoServer
+
+        _atomic_conditional_put()
+        wz = logging.getLogger("werkzeug")
+        level = wz.level
+        wz.setLevel(logging.ERROR)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
         host, port = server.get_host_and_port()
+    try:
         url = f"http://{host}:{port}"
         bucket = f"poimen-bench-{uuid.uuid4().hex[:12]}"  # moto's state is per process
         boto3.client("s3", endpoint_url=url, aws_access_key_id="bench",
@@ -229,15 +248,39 @@ def moto_s3() -> Iterator[tuple[str, dict[str, Any]]]:
                {"key": "bench", "secret": "bench",
                 "client_kwargs": {"endpoint_url": url, "region_name": "eu-west-1"}})
     finally:
-        server.stop()
-        wz.setLevel(level)
+        if server is not None:
+            server.stop()
+            wz.setLevel(level)
+        if child is not None:
+            assert child.stdin is not None
+            child.stdin.close()  # the child stops its server and exits
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def _moto_main() -> None:
+    """The child of ``moto_s3(own_process=True)``: prints its port, serves until its
+    standard input closes."""
+    from moto.server import ThreadedMotoServer
+
+    _atomic_conditional_put()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    sys.stdout.write(f"{server.get_host_and_port()[1]}\n")
+    sys.stdout.flush()
+    sys.stdin.read()
+    server.stop()
 
 
 def group_commit_s3(ctx: Ctx) -> Result:
     """``group_commit`` on a log in S3 (moto on loopback): one manifest PUT per window
     instead of one per record."""
     per_ours, per_ref = (3, 1) if ctx.quick else (8, 2)
-    with moto_s3() as (base, opts):
+    with moto_s3(own_process=True) as (base, opts):
         m = _compare(ctx, lambda name: f"{base}/{name}", per_ours, per_ref, 2,
                      storage_options=opts)
     ratio = m["ours"] / m["ref"]
@@ -312,7 +355,7 @@ def s3_writers(ctx: Ctx) -> Result:
     on local disk (details and note). Total records/s and lost publish races per publish.
     The goal: N = 8 no slower in total than N = 1."""
     q = ctx.quick
-    with moto_s3() as (base, opts):
+    with moto_s3(own_process=True) as (base, opts):
         s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8)
         s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0)
     d = str(ctx.dir("writers"))  # local disk: full runs only (8 processes start slowly)
@@ -379,4 +422,7 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
 
 
 if __name__ == "__main__":
-    _writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if sys.argv[1:] == ["--moto"]:
+        _moto_main()
+    else:
+        _writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

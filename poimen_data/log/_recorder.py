@@ -36,6 +36,8 @@ _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _BODY_IO = BackgroundPool("poimen-record-io", 16)
 BODIES_IN_FLIGHT = 64
 KNOWN_BODIES = 65_536
+SMALL_BODY = 64 << 10
+BODIES_PER_TASK = 8
 
 
 @atexit.register
@@ -51,7 +53,21 @@ def _close_all() -> None:
 def blob_ref(tenant: str, data: bytes) -> ev.BlobRef:
     """The ref a body gets in the blob store (sha256 of the bytes, within ``tenant``)."""
     ev.check_tenant(tenant, "blob_ref")
-    return ev.BlobRef(tenant, hashlib.sha256(data).hexdigest(), len(data))
+    return ev.BlobRef(tenant, _sha256(data), len(data))
+
+
+def _sha256(data: bytes | bytearray | memoryview) -> str:
+    """sha256 of a body. hashlib lets go of the GIL for 2,048 bytes or more; among dozens
+    of producer threads, taking it back after a 3 us hash of a small body costs more
+    than the hash (up to the 5 ms switch interval), so small bodies go in pieces below
+    that size, and big ones in one call that other threads run beside."""
+    if len(data) > SMALL_BODY:
+        return hashlib.sha256(data).hexdigest()
+    h = hashlib.sha256()
+    view = memoryview(data)
+    for i in range(0, len(view), 2047):
+        h.update(view[i:i + 2047])
+    return h.hexdigest()
 
 
 @dataclass(eq=False)
@@ -84,10 +100,25 @@ class Recorder:
     """Gathers the records of concurrent producers into one commit per window.
 
     A window opens with its first record and closes once that record has waited
-    ``max_delay_ms`` and the previous window is published, or as soon as one more record
-    would take it past ``max_events`` events or ``max_bytes`` of bodies (a record is never
-    split: a bigger one is a window of its own). While a window commits the next one
-    gathers and writes its bodies, so a busy recorder makes bigger windows.
+    ``max_delay_ms`` and the window before it has been taken by the committer (which may
+    still be publishing it), or as soon as one more record would take it past
+    ``max_events`` events or ``max_bytes`` of bodies (a record is never split: a bigger
+    one is a window of its own). While one window publishes, the next may wait closed and
+    a third gathers and writes its bodies, so a busy recorder makes bigger windows, and
+    producers of the next window do their Python work while the disk syncs.
+
+    On local disk a window's bodies are written by the I/O pool a few per task without an
+    fsync each, and the bodies and the segment are made durable by one ``syncfs`` just
+    before the publish (``Transaction.defer_sync``; an fsync per file where there is no
+    syncfs). What bounds it, measured on the 2 shared cores of this project's machines
+    (README "Performance"): CPU, not fsync. 64 producers and their records cost 300 to
+    380 us of CPU per record (450 to 800 before), of which the kernel takes about 40 %:
+    creating each body's file (one inode per body in a content-addressed store; ext4
+    without a journal spends 20 to 500 us per new inode there, scanning past inodes
+    freed in the last 30 s), thread switches and futex hand-offs of the GIL between 64
+    producers, the gatherer and the committer; the Python left is validation, the
+    Arrow conversion and futures (about 60 us). At 2 events per record that caps a busy
+    2-core machine at a few thousand events per second, short of 20,000 events/s.
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
@@ -106,7 +137,12 @@ class Recorder:
         self.max_events = max_events
         self.max_bytes = max_bytes
         self.commits = 0  # window commits published (a fallback commit counts too)
-        self._cond = threading.Condition()
+        # one lock, a condition per waiter: the gatherer (records, a free hand-over slot,
+        # an idle committer), the committer (a closed window), flush (resolved records)
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._commit_cv = threading.Condition(lock)
+        self._done_cv = threading.Condition(lock)
         self._inbox: deque[_Record] = deque()
         self._next_no = 1
         self._done_no = 0  # every record numbered up to this one is resolved
@@ -114,6 +150,8 @@ class Recorder:
         self._closed = False
         self._ready: _Window | object | None = None  # closed window handed to the committer
         self._busy = False  # the committer is publishing a window
+        self._contended = False  # the last publish lost a race to another writer
+        self._retries = log.publish_retries
         # bodies this recorder committed lately (the gatherer reads, the committer writes)
         self._known: OrderedDict[BlobKey, None] = OrderedDict()
         self._gatherer = threading.Thread(target=self._gather_loop, daemon=True,
@@ -164,7 +202,7 @@ class Recorder:
             rec = _Record(self._next_no, evs, bodies, nbytes)
             self._next_no += 1
             self._inbox.append(rec)
-            self._cond.notify_all()
+            self._cond.notify()
         return rec.future
 
     async def arecord(self, events: Iterable[ev.Event], *,
@@ -190,7 +228,7 @@ class Recorder:
                 raise ValidationError(f"record: body of ref {ref.sha256[:12]}… must be "
                                       f"bytes, got {type(data).__name__}")
             data = bytes(data)
-            if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
+            if len(data) != ref.size or _sha256(data) != ref.sha256:
                 raise ValidationError(f"record: body given for ref {ref.sha256[:12]}… does "
                                       "not match its sha256 and size")
             bodies[(ref.tenant, ref.sha256)] = data
@@ -214,10 +252,10 @@ class Recorder:
         with self._cond:
             target = self._next_no - 1
             self._flushing += 1
-            self._cond.notify_all()
+            self._cond.notify()
             try:
                 while self._done_no < target:
-                    self._cond.wait()
+                    self._done_cv.wait()
             finally:
                 self._flushing -= 1
 
@@ -229,6 +267,7 @@ class Recorder:
                 return
             self._closed = True
             self._cond.notify_all()
+            self._commit_cv.notify_all()
         if threading.current_thread() not in (self._gatherer, self._committer):
             self._gatherer.join()
             self._committer.join()
@@ -246,6 +285,10 @@ class Recorder:
                     return
             tx = self.log.transaction()
             tx.io_pool, tx.max_io_in_flight = _BODY_IO, BODIES_IN_FLIGHT
+            if tx.defer_sync():
+                # page-cache writes, no fsync: a few per task, which is mostly creating the
+                # files (costly on a busy file system), beside the gatherer's Python work
+                tx.io_chunk = BODIES_PER_TASK
             win = _Window(tx, time.monotonic())
             try:
                 self._fill(win)
@@ -276,7 +319,9 @@ class Recorder:
                 return self._inbox.popleft()
             if not win.records:
                 return None  # every record so far was cancelled
-            idle = self._ready is None and not self._busy
+            # the committer may still publish the window before, unless publishes lose
+            # races to other writers: then one window at a time, bigger, fewer to race
+            idle = self._ready is None and not (self._busy and self._contended)
             left = win.opened + self.max_delay - time.monotonic()
             if idle and (left <= 0 or self._flushing or self._closed):
                 return None
@@ -298,7 +343,7 @@ class Recorder:
             for key, data in rec.bodies.items():
                 # written in the background from now on; a body this recorder has not
                 # committed yet is staged without looking for a committed copy first
-                win.tx.put_blob(key[0], data, reuse=key in self._known)
+                win.tx.put_checked(key[0], key[1], data, reuse=key in self._known)
                 win.keys.append(key)
         except Exception:  # noqa: BLE001 - the commit then goes record by record
             win.poisoned = True
@@ -307,10 +352,12 @@ class Recorder:
     def _close(win: _Window) -> None:
         """Hand the window's events to its transaction as one table: its segment is then
         written in the background while the bodies land (see ``Transaction.extend``)."""
-        if win.poisoned or not win.events:
+        if win.poisoned:
             return
         try:
-            win.tx.extend(events_to_table(win.events, win.stamps))
+            win.tx.start_writes()  # the last bodies, short of a full task
+            if win.events:
+                win.tx.extend(events_to_table(win.events, win.stamps))
         except Exception:  # noqa: BLE001 - the commit then goes record by record
             win.poisoned = True
 
@@ -319,7 +366,7 @@ class Recorder:
         while self._ready is not None:
             self._cond.wait()
         self._ready = win
-        self._cond.notify_all()
+        self._commit_cv.notify()
 
     # -- the committer: publishes windows in order -------------------------------------
 
@@ -327,10 +374,10 @@ class Recorder:
         while True:
             with self._cond:
                 while self._ready is None:
-                    self._cond.wait()
+                    self._commit_cv.wait()
                 win, self._ready = self._ready, None
                 self._busy = True
-                self._cond.notify_all()
+                self._cond.notify()
             if win is _STOP:
                 return
             assert isinstance(win, _Window)
@@ -341,7 +388,8 @@ class Recorder:
             with self._cond:
                 self._busy = False
                 self._done_no = win.last_no  # windows are published in order
-                self._cond.notify_all()
+                self._cond.notify()
+                self._done_cv.notify_all()
 
     def _commit(self, win: _Window) -> None:
         if not win.records or win.poisoned:
@@ -357,6 +405,8 @@ class Recorder:
             self._fail(win.records, exc)
             return
         self.commits += info.seq is not None
+        retries = self.log.publish_retries
+        self._contended, self._retries = retries > self._retries, retries
         for key in win.keys:
             self._known[key] = None
             self._known.move_to_end(key)

@@ -23,7 +23,7 @@ from poimen_data.log._faults import crash_point, write_in_flight
 from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import check_conformed, conform_table, events_to_table, table_refs
-from poimen_data.storage import CHECK_POOL, IO_POOL, BackgroundPool
+from poimen_data.storage import CHECK_POOL, IO_POOL, BackgroundPool, DurableBatch
 
 if TYPE_CHECKING:
     from poimen_data.log._internals import LogInternals
@@ -60,10 +60,13 @@ class CommitInfo:
 class Transaction:
     """A batch of blobs and events that becomes visible at once, or not at all."""
 
-    # Where staged bodies are written, and how many at most at a time: the group-commit
-    # recorder widens both for a window of many small bodies (one fsync each).
-    io_pool: BackgroundPool = IO_POOL
+    # Where staged bodies are written (None: by the caller's thread), and how many at
+    # most at a time: the group-commit recorder widens both for a window of many small
+    # bodies (one fsync or one PUT each), and under ``defer_sync`` (page-cache writes)
+    # hands them over ``io_chunk`` at a time.
+    io_pool: BackgroundPool | None = IO_POOL
     max_io_in_flight: int = MAX_IO_IN_FLIGHT
+    io_chunk: int = 1  # bodies per pool task: small page-cache writes go in batches
 
     def __init__(self, log: LogInternals) -> None:
         self.log = log
@@ -82,8 +85,20 @@ class Transaction:
         self._checks: list[Future[None]] = []  # checks of big tables still running
         self._io: list[Future[Any]] = []  # staged bodies and segment being written
         self._io_bytes = 0
+        self._queued: list[tuple[str, bytes]] = []  # bodies waiting to fill an io_chunk
         self._spec: tuple[pa.Table, Future[SegmentInfo]] | None = None  # see extend
+        self._batch: DurableBatch | None = None  # see defer_sync
         self.commit_info: CommitInfo | None = None
+
+    def defer_sync(self) -> bool:
+        """Write this transaction's files without an fsync each and make them durable
+        together just before the publish (one ``syncfs`` on local disk: see
+        ``SyncFsBatch``). False when the storage has no such batch: then each file is
+        synced as it is written, as usual. Call before staging anything."""
+        if self._staged or self._segment_written or self._io:
+            raise PoimenError("defer_sync: call it before staging anything")
+        self._batch = self.log.storage.durable_batch()
+        return self._batch is not None
 
     def __enter__(self) -> Transaction:
         return self
@@ -114,9 +129,14 @@ class Transaction:
             raise ValidationError(f"put_blob: field 'data' must be bytes, got "
                                   f"{type(data).__name__}")
         data = bytes(data)
-        sha = hashlib.sha256(data).hexdigest()
-        key = (tenant, sha)
-        ref = ev.BlobRef(tenant, sha, len(data))
+        return self.put_checked(tenant, hashlib.sha256(data).hexdigest(), data, reuse=reuse)
+
+    def put_checked(self, tenant: str, sha256: str, data: bytes, *,
+                    reuse: bool = True) -> ev.BlobRef:
+        """``put_blob`` of a body whose tenant and ``sha256`` the caller has checked
+        already (the recorder, per record): not hashed again."""
+        key = (tenant, sha256)
+        ref = ev.BlobRef(tenant, sha256, len(data))
         if key in self._staged or key in self._reused:
             return ref
         if reuse and self.log.body_present(key):
@@ -128,18 +148,33 @@ class Transaction:
     def _stage(self, key: BlobKey, data: bytes, *, wait: bool = True) -> None:
         path = staged_blob_path(self.txn, *key)
         self._staged[key] = BlobEntry(key[0], key[1], len(data), path)
-        if wait or not self.log.storage.background_io:
+        if wait or not self.log.storage.background_io or self.io_pool is None:
             self._write_new(path, data, "blob_staged")
         else:  # written while the caller goes on; commit waits for it before publishing
-            if len(self._io) >= self.max_io_in_flight \
-                    or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
-                self._join_io()
-            self._io.append(self.io_pool.submit(self._write_new, path, data, "blob_staged"))
+            self._queued.append((path, data))
             self._io_bytes += len(data)
+            if len(self._queued) >= self.io_chunk:
+                self.start_writes()
+
+    def start_writes(self) -> None:
+        """Hand the bodies still queued for a full ``io_chunk`` to the I/O pool now
+        (``commit`` does it too)."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        if len(self._io) >= self.max_io_in_flight or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
+            self._join_io()  # (nothing queued now: it does not come back here)
+            self._io_bytes = sum(len(data) for _path, data in queued)
+        assert self.io_pool is not None
+        self._io.append(self.io_pool.submit(self._write_all, queued))
+
+    def _write_all(self, items: list[tuple[str, bytes]]) -> None:
+        for path, data in items:
+            self._write_new(path, data, "blob_staged")
 
     def _write_new(self, path: str, data: Any, point: str) -> None:
         with write_in_flight():
-            self.log.storage.write_new(path, data)
+            self.log.storage.write_new(path, data, sync=self._batch is None)
         crash_point(point)
 
     def flush(self) -> None:
@@ -150,6 +185,7 @@ class Transaction:
 
     def _join_io(self) -> None:
         """Wait for this transaction's files in flight; raise the first write error."""
+        self.start_writes()
         errors = [exc for f in self._io if (exc := f.exception()) is not None]
         self._io, self._io_bytes = [], 0  # only once all landed: abort waits for the rest
         if errors:
@@ -220,12 +256,14 @@ class Transaction:
         self._done = True
         for f in self._checks:
             f.cancel()
+        self._queued = []
         for f in self._io:  # writes not started never will; those running land first,
             f.cancel()      # so the cleanup below sees them
         for f in self._io:
             if not f.cancelled():
                 f.exception()
         self._io, self._io_bytes = [], 0
+        self._close_batch()
         if self.log.publish_unknown(self.txn):
             return  # it may have landed: leave its files to vacuum's reachability check
         if self._staged:
@@ -290,6 +328,9 @@ class Transaction:
             if table is not None:
                 self._check_refs()
             self._join_io()  # every body and the segment are on storage (and fsynced)
+            if self._batch is not None:
+                self._batch.sync()  # ... or made durable now, all at once
+                self._close_batch()
             m = self.log.publish(lambda seq, first: self._manifest(seq, first, seg, table),
                                   self.txn)
         except BaseException:
@@ -305,6 +346,11 @@ class Transaction:
             _logger.warning("commit seq %d landed; promotion or checkpoint deferred: %s",
                             m.seq, exc)
         return self.commit_info
+
+    def _close_batch(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.close()
 
     def _join_checks(self) -> None:
         """Wait for the background checks of big tables; raise the first fault found."""
@@ -348,7 +394,8 @@ class Transaction:
         # write_hashed streams a big one to local disk and serializes the rest in memory
         hint = table.nbytes if table.num_rows > 10_000 else 0
         with write_in_flight():
-            size, sha = self.log.storage.write_hashed(path, fill, hint)
+            size, sha = self.log.storage.write_hashed(path, fill, hint,
+                                                      sync=self._batch is None)
         crash_point("segment_written")
         return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
 

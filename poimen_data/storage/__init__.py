@@ -4,7 +4,7 @@ the package's thread pools."""
 
 from __future__ import annotations
 
-from poimen_data.storage._base import PARALLEL_HASH_BYTES, Storage
+from poimen_data.storage._base import PARALLEL_HASH_BYTES, DurableBatch, Storage
 from poimen_data.storage._open import open_storage
 from poimen_data.storage._pools import CHECK_POOL, HASH_POOL, IO_POOL, PROMOTE_POOL, BackgroundPool
 from poimen_data.storage._retry import DEFAULT_RETRY_DEADLINE_S, RetryPolicy
@@ -19,6 +19,7 @@ __all__ = [
     "PROMOTE_POOL",
     "AtomicWriter",
     "BackgroundPool",
+    "DurableBatch",
     "HashingSink",
     "RetryPolicy",
     "Storage",

@@ -11,7 +11,7 @@ import hashlib
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import pyarrow as pa
 
@@ -20,6 +20,16 @@ from poimen_data.storage._retry import RetryPolicy
 from poimen_data.storage._writer import AtomicWriter
 
 T = TypeVar("T")
+
+
+class DurableBatch(Protocol):
+    """New files written since the batch opened, made durable together (``sync``)."""
+
+    def sync(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 Kind = Literal["local", "memory", "s3"] | str
 PARALLEL_HASH_BYTES = 4 << 20  # below this, a thread costs more than the hash it overlaps
 
@@ -184,17 +194,25 @@ class Storage(ABC):
         path = self.full(rel)
         self._retrying(f"write {rel}", lambda: self.fs.pipe_file(path, bytes(data)))
 
-    def write_new(self, rel: str, data: bytes | pa.Buffer) -> None:
+    def write_new(self, rel: str, data: bytes | pa.Buffer, *, sync: bool = True) -> None:
         """Create a file under a name nobody else writes (a txn's segment or staged body).
 
         No temp file and rename: nothing reads the name before a manifest lists it, and a
         manifest lists it only after this returned (and, locally, fsynced); a crash
         midway leaves a partial file that no manifest covers, which ``vacuum`` removes.
+        ``sync=False`` skips the fsync: only for a file of a ``durable_batch`` whose
+        ``sync()`` runs before any manifest lists it.
         """
         self.write(rel, bytes(data))
 
+    def durable_batch(self) -> DurableBatch | None:
+        """A batch that makes many new files durable with one call (``sync()``) instead
+        of one fsync each; None when this storage syncs each write (or needs no sync).
+        Open it before writing the files (``write_new(..., sync=False)``)."""
+        return None
+
     def write_hashed(self, rel: str, fill: Callable[[Any], None],
-                     size_hint: int = 0) -> tuple[int, str]:
+                     size_hint: int = 0, *, sync: bool = True) -> tuple[int, str]:
         """Write a new file by ``fill(sink)`` under a name nobody else writes (see
         ``write_new``); return its size and sha256. Here the bytes are assembled in
         memory and written in one go (local disk streams large files)."""
@@ -202,7 +220,7 @@ class Storage(ABC):
         sink = pa.BufferOutputStream()
         fill(sink)
         buf = sink.getvalue()
-        self.write_new(rel, buf)
+        self.write_new(rel, buf, sync=sync)
         return buf.size, hashlib.sha256(buf).hexdigest()
 
     @abstractmethod

@@ -6,7 +6,9 @@ Local errors are never retried: they are not transient, and they are not ambiguo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -106,14 +108,15 @@ class LocalStorage(Storage):
                 os.unlink(tmp)
             raise
 
-    def write_new(self, rel: str, data: bytes | pa.Buffer) -> None:
+    def write_new(self, rel: str, data: bytes | pa.Buffer, *, sync: bool = True) -> None:
         path = self.full(rel)
         self._makedirs(os.path.dirname(path))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            with open(fd, "wb", closefd=False) as f:
-                f.write(data)
-            if self.durable:
+            view = memoryview(data)  # pa.Buffer has the buffer protocol
+            while view:  # os.write: no buffered file object (3 syscalls fewer)
+                view = view[os.write(fd, view):]
+            if sync and self.durable:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -123,11 +126,11 @@ class LocalStorage(Storage):
         os.close(fd)
 
     def write_hashed(self, rel: str, fill: Callable[[Any], None],
-                     size_hint: int = 0) -> tuple[int, str]:
+                     size_hint: int = 0, *, sync: bool = True) -> tuple[int, str]:
         """A large file streams straight into the file (no in-memory copy) while a thread
         hashes the same buffers in order, finishing during the fsync."""
         if size_hint < PARALLEL_HASH_BYTES:
-            return super().write_hashed(rel, fill, size_hint)
+            return super().write_hashed(rel, fill, size_hint, sync=sync)
         path = self.full(rel)
         self._makedirs(os.path.dirname(path))
         f = open(path, "xb")  # noqa: SIM115 - closed below; a name already there is not ours
@@ -136,7 +139,7 @@ class LocalStorage(Storage):
             with f:
                 fill(sink)
                 f.flush()
-                if self.durable:
+                if sync and self.durable:
                     os.fsync(f.fileno())  # the hash thread catches up meanwhile
             sha = sink.finish()
         except BaseException:
@@ -144,6 +147,11 @@ class LocalStorage(Storage):
                 os.unlink(path)
             raise
         return sink.size, sha
+
+    def durable_batch(self) -> SyncFsBatch | None:
+        if not self.durable or _syncfs is None:
+            return None  # elsewhere each staged file is fsynced as it is written
+        return SyncFsBatch(self.root)
 
     def put_if_absent(self, rel: str, data: bytes) -> bool:
         path = self.full(rel)
@@ -230,6 +238,52 @@ class LocalStorage(Storage):
             _dest.discard(tmp[0] if tmp else None)
 
         return AtomicWriter(path, open_tmp, publish, discard)
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # the call releases the GIL
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_syncfs = _load_syncfs()
+
+
+class SyncFsBatch:
+    """Many new files made durable by one ``syncfs(2)`` of their file system.
+
+    Why this is as durable as an fsync of each file and of its directory: ``syncfs``
+    writes back every dirty page and inode of the file system (the files' data, their
+    inodes, the directory blocks holding their names, the allocation bitmaps), waits for
+    that writeback, then flushes the device cache (or commits the journal), like
+    ``sync(2)`` but for one file system. Since Linux 5.8 it also reports a writeback
+    error of any file there that happened after the descriptor it is called on was
+    opened: this batch opens that descriptor before any of its files is written, so a
+    lost write of one of them fails ``sync()`` instead of passing unseen. It costs one
+    device flush per batch instead of one per file (64 bodies of 4 KB: ~10 ms instead
+    of 64 flushes), at the price of also writing back other dirty files of the file
+    system, which is why only batches of many small files use it.
+    """
+
+    def __init__(self, root: str) -> None:
+        self._fd: int | None = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+
+    def sync(self) -> None:
+        assert self._fd is not None and _syncfs is not None
+        if _syncfs(self._fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs: {os.strerror(err)}")
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def _fsync_dir(d: str) -> None:
