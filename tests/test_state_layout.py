@@ -202,6 +202,8 @@ MEMORY_CHILD = f"""
 import json, sys
 import poimen_data as pdm
 root, budget, out = sys.argv[1:4]
+k = pdm.compact(root)  # rewrites every small segment
+one = pdm.episode(root, "run-000007-x3", source="log")
 def looked(ctx):  # reads its snapshot, so every snapshot is built
     return pdm.Verdict(passed=len(ctx.episode.branches) > 0)
 looked.name = "looked"
@@ -216,21 +218,22 @@ with pdm.connect(root, memory_limit=budget) as con:
     verdicts = con.sql("select count(*) from verdicts").fetchall()[0][0]
 print(json.dumps({{"ok": c.ok, "full": r.full, "runs": r.runs_folded, "same": cold == served,
                   "graded": g.runs_graded, "verdicts": verdicts, "exported": e.records,
+                  "compacted": [k.rewritten, k.segments_after], "episode": one.run_id,
                   "rss": {PEAK}}}))
 """
 
 
 @pytest.mark.slow
 def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> None:
-    """grade, export_live (a cold fold), materialize, check, and connect + a query (a fold
-    of the log, then the state), in one child, on events taking several times the budget
-    in Arrow: peak RSS stays bounded."""
+    """compact, episode (from the log), grade, export_live (a cold fold), materialize,
+    check, and connect + a query (a fold of the log, then the state), in one child, on
+    events taking several times the budget in Arrow: peak RSS stays bounded."""
     root = tmp_path / "log"
     log = pdm.open_log(root, durable=False)
     table = synth.events_table(2_000_000, seed=3)
-    for lo in range(0, table.num_rows, 100_000):
+    for lo in range(0, table.num_rows, 20_000):  # small segments, for compact
         with log.transaction() as tx:
-            tx.extend(table.slice(lo, 100_000))
+            tx.extend(table.slice(lo, 20_000))
     arrow_bytes = table.nbytes
     del table
     # 200 MiB: at 100 MiB DuckDB's own floor (buffers pinned per thread) made a fold group
@@ -250,8 +253,11 @@ def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> No
     assert got["ok"] and got["full"] and got["runs"] > 10_000 and got["same"]
     assert got["graded"] == got["verdicts"] > 10_000  # every run in verifying, once
     assert got["exported"] > 100_000
+    assert got["compacted"] == [100, 20] and got["episode"] == "run-000007-x3"
     # DuckDB's budget, about as much again for Arrow batches in flight and parquet encoders,
     # plus slack: below the events' Arrow size on top of the baseline (measured: 2.4x)
     bound = baseline + 5 * budget // 2 + (64 << 20)
+    print(f"peak RSS {got['rss'] >> 20} MiB, baseline {baseline >> 20} MiB, "
+          f"bound {bound >> 20} MiB")
     assert got["rss"] < bound, (got["rss"] >> 20, baseline >> 20, arrow_bytes >> 20)
     assert bound < baseline + arrow_bytes
