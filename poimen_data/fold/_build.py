@@ -375,6 +375,9 @@ def spill_groups(con: duckdb.DuckDBPyConnection, log: EventLog, lsn: int,
     group_of = {b: i for i, g in enumerate(groups) for b in g}
     cases = " ".join(f"WHEN {b} THEN {i}" for b, i in sorted(group_of.items()))
     con.register("_scan", log.scan_events(lsn, batch_rows=BATCH_ROWS))
+    # DuckDB buffers this many rows per thread before it writes them out by partition
+    # (524,288 by default: wide events then overrun a small budget)
+    con.execute(f"SET partitioned_write_flush_threshold = {SPILL_ROW_GROUP}")
     try:
         con.execute(f"COPY (SELECT *, CASE {bucket_sql()} {cases} ELSE 0 END AS _g "
                     f"FROM _scan {where}) TO '{parts}' (FORMAT parquet, PARTITION_BY (_g), "
@@ -382,6 +385,7 @@ def spill_groups(con: duckdb.DuckDBPyConnection, log: EventLog, lsn: int,
                     f"ROW_GROUP_SIZE {SPILL_ROW_GROUP})")
     finally:
         con.unregister("_scan")
+        con.execute("RESET partitioned_write_flush_threshold")
     return [os.path.join(parts, f"_g={i}") for i in range(len(groups))]
 
 

@@ -81,9 +81,9 @@ def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
 
     The events of the runs to grade, each cut at its snapshot LSN, are spilled by run
     bucket in one scan of the segments (``fold._build.spill_groups``); each group of
-    buckets is then folded alone in DuckDB (its tables spill past ``memory_limit``) and
-    its views built ``chunk`` runs at a time. Memory holds one group's fold and one
-    chunk of views, whatever the size of the log. One group needs no spill.
+    buckets is then loaded into DuckDB (which spills past ``memory_limit``), and folded
+    ``chunk`` runs at a time. Memory holds one chunk's fold and views, whatever the size
+    of the log. One group needs no spill.
     """
     import tempfile
 
@@ -111,7 +111,7 @@ def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
             "snapshot_lsn": pa.array([t.snapshot_lsn for t in tasks], pa.int64())}))
         if len(groups) == 1:
             con.register("_scan", log.scan_events(lsn, batch_rows=B.BATCH_ROWS))
-            con.execute(f"CREATE TEMP TABLE events AS SELECT * FROM _scan {keep}")
+            con.execute(f"CREATE TEMP TABLE _grade_group AS SELECT * FROM _scan {keep}")
             con.unregister("_scan")
             parts = None
         else:
@@ -119,29 +119,28 @@ def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
         for i, todo in enumerate(by_group):
             if not todo:
                 continue
-            t0 = time.perf_counter()
             if parts is not None:
-                B.load_group(con, parts[i])
-            create_fold_tables(con, EPISODE_TABLES, ordered=False, temp=True)
-            con.execute("DROP TABLE events")
-            spent = time.perf_counter() - t0
+                B.load_group(con, parts[i], "_grade_group")
             for lo in range(0, len(todo), chunk):
                 t0 = time.perf_counter()
                 part = todo[lo:lo + chunk]
                 cut = {t.run_id: t.snapshot_lsn for t in part}
                 con.register("_grade_chunk", pa.table({"run_id": pa.array(list(cut),
                                                                             pa.string())}))
-                tables = {name: con.sql(
-                    f"SELECT * FROM {name} WHERE run_id IN (SELECT run_id FROM _grade_chunk) "
-                    f"ORDER BY {', '.join(TABLE_KEYS[name])}").to_arrow_table()
-                    for name in EPISODE_TABLES}
+                # the fold of one chunk of runs: its memory does not grow with the group
+                con.execute("CREATE TEMP TABLE events AS SELECT * FROM _grade_group "
+                            "WHERE run_id IN (SELECT run_id FROM _grade_chunk)")
                 con.unregister("_grade_chunk")
+                create_fold_tables(con, EPISODE_TABLES, ordered=False, temp=True)
+                tables = {name: con.sql(f"SELECT * FROM {name} ORDER BY "
+                                        f"{', '.join(TABLE_KEYS[name])}").to_arrow_table()
+                          for name in EPISODE_TABLES}
+                for name in ("events", "runs", "attempts", "branches"):
+                    con.execute(f"DROP TABLE IF EXISTS {name}")
                 snaps = _views(tables, cut)
                 del tables
-                yield part, snaps, spent + time.perf_counter() - t0
-                spent = 0.0
-            for name in ("runs", "attempts", "branches"):
-                con.execute(f"DROP TABLE IF EXISTS {name}")
+                yield part, snaps, time.perf_counter() - t0
+            con.execute("DROP TABLE _grade_group")
 
 
 # --- which attempts an attempt-scoped verifier grades ----------------------------------
