@@ -27,12 +27,14 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def split(monkeypatch: pytest.MonkeyPatch, log: pdm.EventLog, n: int = 4) -> None:
-    """Make the budget look small: the jobs then work in ``n`` groups of run buckets."""
+def split(monkeypatch: pytest.MonkeyPatch, log: pdm.EventLog, n: int = 4, *,
+          groups: int | None = None) -> None:
+    """Make the budget look ``n`` times too small for the log: the jobs then work in
+    ``n`` groups of run buckets (at most 16, ``groups``)."""
     size = sum(s.size for s in log.segments(log.head))
     monkeypatch.setattr(_state, "PASS_FACTOR", n * _build.budget_of(None).memory_limit // size)
-    groups = _state.plan_groups(log, log.head, _build.budget_of(None), None)
-    assert len(groups) == n
+    planned = _state.plan_groups(log, log.head, _build.budget_of(None), None)
+    assert len(planned) == (n if groups is None else groups)
 
 
 def on_run(ctx: VerifierCtx) -> Verdict:
@@ -103,6 +105,16 @@ def test_export_in_bucket_groups_writes_the_bytes_of_one_query(
     assert (tail.sha256, tail.records, tail.runs) == (later.sha256, later.records, later.runs)
     assert sha(tmp_path / "cold.out") == sha(tmp_path / "state.out") == one.sha256
     assert sha(tmp_path / "tail.out") == later.sha256 != one.sha256
+
+
+def test_export_in_slices_of_bucket_groups_writes_the_same_bytes(
+        graded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget smaller than a 16th of the log: each bucket group is folded in slices."""
+    one = export_live(graded, tmp_path / "one.out", format="pairs", source="log")
+    split(monkeypatch, pdm.open_log(graded), 32, groups=16)  # 16 groups of 2 slices
+    got = export_live(graded, tmp_path / "split.out", format="pairs", source="log")
+    assert (got.sha256, got.records, got.runs) == (one.sha256, one.records, one.runs)
+    assert sha(tmp_path / "split.out") == one.sha256
 
 
 def test_export_of_some_runs_in_bucket_groups(graded: Path, tmp_path: Path,

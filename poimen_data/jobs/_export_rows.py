@@ -22,9 +22,8 @@ import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
 from poimen_data.fold import _build as B
-from poimen_data.fold import _fold
+from poimen_data.fold import _fold, _state
 from poimen_data.fold._connect import connect
-from poimen_data.fold._state import plan_groups
 from poimen_data.jobs._export_formats import VERDICT_TYPE
 from poimen_data.log._log import EventLog
 
@@ -116,7 +115,7 @@ def export_rows(log: EventLog, source: str, lsn: int, opts: Options, budget: B.B
                 tmp: str) -> Iterator[Rows]:
     """The rows of an export at ``lsn`` (valid while the block runs); ``tmp`` is a
     folder for the groups' spilled rows. One query when the log fits the budget."""
-    groups = plan_groups(log, lsn, budget, None)
+    groups = _state.plan_groups(log, lsn, budget, None)
     with contextlib.ExitStack() as stack:
         con, used = _connect(log, source, lsn, budget)
         stack.callback(con.close)
@@ -137,7 +136,7 @@ def export_rows(log: EventLog, source: str, lsn: int, opts: Options, budget: B.B
             con = _fold.new_connection(memory=budget.memory_limit)
             con.execute("SET preserve_insertion_order = false")  # every query orders
             stack.callback(con.close)
-            parts = _fold_groups(con, log, lsn, groups, opts, tmp)
+            parts = _fold_groups(con, log, lsn, groups, opts, tmp, budget)
         else:
             parts = _view_groups(groups)
         files, total, no_out, no_prompt = [], 0, 0, 0
@@ -150,7 +149,7 @@ def export_rows(log: EventLog, source: str, lsn: int, opts: Options, budget: B.B
                                  ).fetchall()[0][0])
             a, b = _skipped(con, opts)
             no_out, no_prompt = no_out + a, no_prompt + b
-            path = os.path.join(tmp, f"rows-{i:02d}.arrow")
+            path = os.path.join(tmp, f"rows-{i:04d}.arrow")
             if _spill(con.sql(query).to_arrow_reader(SPILL_ROWS), path):
                 files.append(path)
             con.execute("DROP TABLE export_live")
@@ -169,26 +168,39 @@ def _view_groups(groups: list[tuple[int, ...]]) -> Iterator[tuple[int, ...] | No
 
 
 def _fold_groups(con: Any, log: EventLog, lsn: int, groups: list[tuple[int, ...]],
-                 opts: Options, tmp: str) -> Iterator[tuple[int, ...] | None]:
-    """Spill the events by group in one scan, then per group fold its runs into the
-    tables the export reads (``reductions`` once: its events belong to no run and land
-    in group 0). Yields None per group: its tables hold its runs only."""
+                 opts: Options, tmp: str, budget: B.Budget) -> Iterator[tuple[int, ...] | None]:
+    """Spill the events by group in one scan, then fold each group's runs into the tables
+    the export reads, in as many slices of the group (by more digits of the same md5) as
+    the budget needs: a fold never grows with the log. ``reductions`` is folded once (its
+    events belong to no run and land in group 0). Yields None per slice: its tables hold
+    its runs only."""
     where = ""
     if opts.runs is not None:
         con.register("_export_wanted", pa.table({"run_id": pa.array(opts.runs, pa.string())}))
         where = "WHERE run_id IS NULL OR run_id IN (SELECT run_id FROM _export_wanted)"
+    size = sum(s.size for s in log.segments(lsn))
+    wanted = -(-size * _state.PASS_FACTOR // max(1, budget.memory_limit))
+    slices = max(1, -(-wanted // len(groups)))
     parts = B.spill_groups(con, log, lsn, groups, os.path.join(tmp, "events"), where=where)
     tables = ("runs", "trajectories", "verdicts")
     for i, part in enumerate(parts):
-        B.load_group(con, part)
-        _fold.create_fold_tables(con, tables + (("reductions",) if i == 0 else ()),
-                                 ordered=False, temp=True)
-        con.execute("DROP TABLE events")
+        B.load_group(con, part, "_export_group")
         if i == 0:
+            con.execute("CREATE TEMP TABLE events AS SELECT * FROM _export_group "
+                        "WHERE run_id IS NULL")
+            _fold.create_fold_tables(con, ("reductions",), ordered=False, temp=True)
+            con.execute("DROP TABLE events")
             con.execute(_RED_SQL)
-        yield None
-        for t in (*tables, "attempts", "branches"):
-            con.execute(f"DROP TABLE IF EXISTS {t}")
+        for j in range(slices):
+            keep = "" if slices == 1 else \
+                f"WHERE ((('0x' || substr(md5(run_id), 9, 8))::UBIGINT) % {slices}) = {j}"
+            con.execute(f"CREATE TEMP TABLE events AS SELECT * FROM _export_group {keep}")
+            _fold.create_fold_tables(con, tables, ordered=False, temp=True)
+            con.execute("DROP TABLE events")
+            yield None
+            for t in (*tables, "attempts", "branches"):
+                con.execute(f"DROP TABLE IF EXISTS {t}")
+        con.execute("DROP TABLE _export_group")
 
 
 def _spill(reader: pa.RecordBatchReader, path: str) -> bool:
