@@ -26,7 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from poimen_data.errors import ValidationError
 from poimen_data.fold._fold import (
+    MEMORY_ENV,
     PER_RUN_TABLES,
     TABLE_KEYS,
     VIEW_SQL,
@@ -45,6 +47,7 @@ REDUCTIONS_PER_CHUNK = 65536
 ROW_GROUP_SIZE = 2048
 WRITE_THREADS = min(4, os.cpu_count() or 1)
 BATCH_ROWS = 65_536
+SPILL_ROW_GROUP = 16_384
 PARQUET_OPTIONS: dict[str, Any] = {
     "version": "2.6",
     "data_page_version": "1.0",
@@ -163,6 +166,30 @@ def default_memory_limit() -> int:
     except (ValueError, OSError, AttributeError):
         total = 8 << 30
     return max(64 << 20, min(3 << 29, total // 4))
+
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10,  # as DuckDB
+          "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "B": 1}  # reads them
+
+
+def budget_of(memory_limit: int | str | None, temp_directory: str | None = None) -> Budget:
+    """The budget of a job: ``memory_limit`` (bytes, or a size such as ``"2GB"``), else
+    ``$POIMEN_MEMORY_LIMIT``, else ``default_memory_limit()``."""
+    value: int | str | None = memory_limit
+    if value is None:
+        value = os.environ.get(MEMORY_ENV) or None
+    if value is None:
+        return Budget(default_memory_limit(), temp_directory)
+    if isinstance(value, str):
+        s = value.strip().upper().replace(" ", "")
+        for u, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
+            if s.endswith(u) and s[:-len(u)].replace(".", "", 1).isdigit():
+                return Budget(max(1 << 20, int(float(s[:-len(u)]) * mult)), temp_directory)
+    elif not isinstance(value, bool) and isinstance(value, int) and value >= 1 << 20:
+        return Budget(value, temp_directory)
+    where = "memory_limit" if memory_limit is not None else MEMORY_ENV
+    raise ValidationError(f"{where}: expected a size such as '2GB' or a number of bytes "
+                          f">= 1 MiB, got {value!r}")
 
 
 @contextmanager
@@ -326,27 +353,52 @@ def full_passes(log: EventLog, lsn: int, groups: list[tuple[int, ...]], w: Write
     alone. Reductions (events of no run) fold with the first group."""
     if len(groups) == 1:
         return [full_pass(log, lsn, groups[0], w, budget, with_reductions=True)]
-    group_of = {b: i for i, g in enumerate(groups) for b in g}
-    cases = " ".join(f"WHEN {b} THEN {i}" for b, i in sorted(group_of.items()))
     out = []
     with connection(budget) as con:
         tmp = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
-        parts = os.path.join(tmp, "parts")
-        con.register("_scan", log.scan_events(lsn, batch_rows=BATCH_ROWS))
-        con.execute(f"COPY (SELECT *, CASE {bucket_sql()} {cases} ELSE 0 END AS _g "
-                    f"FROM _scan) TO '{parts}' (FORMAT parquet, PARTITION_BY (_g))")
-        con.unregister("_scan")
-        con.register("_empty", ev.LOG_SCHEMA.empty_table())
-        for i in range(len(groups)):
-            where = os.path.join(parts, f"_g={i}")
-            if os.path.isdir(where):
-                con.execute("CREATE TEMP TABLE events AS SELECT * FROM read_parquet("
-                            f"'{where}/*.parquet', hive_partitioning = false)")
-            else:
-                con.execute("CREATE TEMP TABLE events AS SELECT * FROM _empty")
+        parts = spill_groups(con, log, lsn, groups, os.path.join(tmp, "parts"))
+        for i, where in enumerate(parts):
+            load_group(con, where)
             out.append(_fold_group(con, w, with_reductions=i == 0))
             shutil.rmtree(where, ignore_errors=True)
     return out
+
+
+def spill_groups(con: duckdb.DuckDBPyConnection, log: EventLog, lsn: int,
+                 groups: list[tuple[int, ...]], parts: str, *, where: str = "") -> list[str]:
+    """One scan of the segments up to ``lsn``: each event is spilled to the parquet
+    partition of its group of buckets under the folder ``parts`` (DuckDB's partitioned
+    COPY, bounded memory; ``con`` should not preserve insertion order, which makes it
+    slow); events of no run go to group 0. ``where`` (SQL over the
+    events, e.g. a semi-join on a table registered in ``con``) keeps only some. Returns
+    each group's folder, in order (``load_group`` reads one back)."""
+    group_of = {b: i for i, g in enumerate(groups) for b in g}
+    cases = " ".join(f"WHEN {b} THEN {i}" for b, i in sorted(group_of.items()))
+    con.register("_scan", log.scan_events(lsn, batch_rows=BATCH_ROWS))
+    # DuckDB buffers this many rows per thread before it writes them out by partition
+    # (524,288 by default: wide events then overrun a small budget)
+    con.execute(f"SET partitioned_write_flush_threshold = {SPILL_ROW_GROUP}")
+    try:
+        con.execute(f"COPY (SELECT *, CASE {bucket_sql()} {cases} ELSE 0 END AS _g "
+                    f"FROM _scan {where}) TO '{parts}' (FORMAT parquet, PARTITION_BY (_g), "
+                    # every partition's writer buffers a row group: keep them small
+                    f"ROW_GROUP_SIZE {SPILL_ROW_GROUP})")
+    finally:
+        con.unregister("_scan")
+        con.execute("RESET partitioned_write_flush_threshold")
+    return [os.path.join(parts, f"_g={i}") for i in range(len(groups))]
+
+
+def load_group(con: duckdb.DuckDBPyConnection, where: str, table: str = "events") -> None:
+    """The TEMP TABLE ``table`` of ``con``: the events ``spill_groups`` put in ``where``
+    (none when the group got none)."""
+    if os.path.isdir(where):
+        con.execute(f"CREATE TEMP TABLE {table} AS SELECT * FROM read_parquet("
+                    f"'{where}/*.parquet', hive_partitioning = false)")
+    else:
+        con.register("_empty", ev.LOG_SCHEMA.empty_table())
+        con.execute(f"CREATE TEMP TABLE {table} AS SELECT * FROM _empty")
+        con.unregister("_empty")
 
 
 def index_file(w: Writer, index: pa.Table) -> None:

@@ -55,6 +55,7 @@ Rules a consumer must know:
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,10 +66,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
-from poimen_data.fold import _fold
-from poimen_data.fold._connect import connect
+from poimen_data.fold._build import budget_of
 from poimen_data.jobs._atif import AtifWriter
-from poimen_data.jobs._export_formats import SLOTS, VERDICT_TYPE, WRITERS, Bodies, Sink
+from poimen_data.jobs._export_formats import SLOTS, WRITERS, Bodies, Sink
+from poimen_data.jobs._export_rows import Options, export_rows, wanted_runs
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import BlobRef
 
@@ -111,64 +112,6 @@ class ExportProgress:
     bytes: int
 
 
-_LIVE_SQL = """
-WITH red AS (
-    SELECT tenant, original.sha256 AS sha256, arg_max(summary, lsn) AS summary
-    FROM reductions GROUP BY tenant, original.sha256
-), vd AS (
-    SELECT v.run_id,
-           list({{'verifier': v.verifier, 'passed': v.passed, 'score': v.score::DOUBLE,
-                  'snapshot_lsn': v.snapshot_lsn::BIGINT}}
-                ORDER BY v.snapshot_lsn, v.verifier, v.lsn) AS verdicts
-    FROM verdicts v JOIN runs r ON r.run_id = v.run_id AND v.branch_id = r.live_branch
-    WHERE v.step_id IS NULL
-    GROUP BY v.run_id
-), va AS (
-    SELECT v.run_id, v.branch_id, v.step_id, v.attempt_no,
-           list({{'verifier': v.verifier, 'passed': v.passed, 'score': v.score::DOUBLE,
-                  'snapshot_lsn': v.snapshot_lsn::BIGINT}}
-                ORDER BY v.snapshot_lsn, v.verifier, v.lsn) AS verdicts
-    FROM verdicts v WHERE v.step_id IS NOT NULL
-    GROUP BY v.run_id, v.branch_id, v.step_id, v.attempt_no
-)
-SELECT t.run_id, t.tenant, t.branch_id, t.step_id, t.step_index, t.attempt_no, t.state,
-       t.workflow_version, t.usage, t.tools, t.error, t.trajectory_branch_id AS live_branch,
-       coalesce(rp.summary, t.prompt) AS prompt_ref, rp.summary IS NOT NULL AS prompt_reduced,
-       coalesce(ro.summary, t.output) AS output_ref, ro.summary IS NOT NULL AS output_reduced,
-       list_concat(coalesce(vd.verdicts, []::{verdict_type}[]),
-                   coalesce(va.verdicts, []::{verdict_type}[])) AS verdicts,
-       row_number() OVER (PARTITION BY t.run_id ORDER BY {trajectory_order}) AS pos
-FROM trajectories t
-LEFT JOIN red rp ON rp.tenant = t.prompt.tenant AND rp.sha256 = t.prompt.sha256
-LEFT JOIN red ro ON ro.tenant = t.output.tenant AND ro.sha256 = t.output.sha256
-LEFT JOIN vd ON vd.run_id = t.run_id
-LEFT JOIN va ON va.run_id = t.run_id AND va.branch_id = t.branch_id
-            AND va.step_id = t.step_id AND va.attempt_no = t.attempt_no
-WHERE t.is_live {where}
-"""
-
-_PAIRS_SQL = """
-SELECT * FROM (
-    SELECT r.run_id, r.tenant, r.step_id, r.step_index,
-           c.branch_id AS chosen_branch_id, c.attempt_no AS chosen_attempt_no,
-           c.workflow_version AS chosen_workflow_version,
-           r.branch_id AS rejected_branch_id, r.attempt_no AS rejected_attempt_no,
-           r.state AS rejected_state, r.workflow_version AS rejected_workflow_version,
-           r.prompt_ref, r.prompt_reduced, c.output_ref AS chosen_ref,
-           c.output_reduced AS chosen_reduced, r.output_ref AS rejected_ref,
-           r.output_reduced AS rejected_reduced, r.verdicts, r.pos
-    FROM export_live r JOIN export_live c
-      ON c.run_id = r.run_id AND c.step_id = r.step_id
-     AND c.step_index IS NOT DISTINCT FROM r.step_index AND c.pos > r.pos
-     AND c.state = 'succeeded'
-    WHERE r.state IN ('failed', 'timed_out')
-    QUALIFY row_number() OVER (PARTITION BY r.run_id, r.pos ORDER BY c.pos) = 1
-)
-WHERE prompt_ref IS NOT NULL AND chosen_ref IS NOT NULL AND rejected_ref IS NOT NULL
-ORDER BY run_id, pos
-"""
-
-
 def export_live(
     log: LogLike,
     dest: str | os.PathLike[str],
@@ -184,6 +127,7 @@ def export_live(
     batch_size: int = DEFAULT_BATCH_BYTES,
     max_workers: int = 8,
     progress: Callable[[ExportProgress], None] | None = None,
+    memory_limit: int | str | None = None,
 ) -> ExportReport:
     """Export the live trajectory of each run (or of ``runs``) to ``dest`` (any fsspec URL).
 
@@ -218,110 +162,34 @@ def export_live(
     lsn = head if at_lsn is None else at_lsn
     if type(lsn) is not int or not 0 <= lsn <= head:
         raise ValidationError(f"export: at_lsn {at_lsn!r} is outside 0..{head}")
+    opts = Options(format, wanted_runs(runs), only_succeeded, keep_unanswered)
+    budget = budget_of(memory_limit)
     pool = ThreadPoolExecutor(max_workers, thread_name_prefix="poimen-export")
     fetcher = _Fetcher(log, pool)
     try:
-        con, used = _connect(log, source, lsn)
-        try:
-            _select(con, runs, only_succeeded)
-            query = _PAIRS_SQL if format == "pairs" else \
-                f"SELECT * FROM export_live {_chat_filter(format, keep_unanswered)} " \
-                "ORDER BY run_id, pos"
-            skipped = _skipped(con, format, keep_unanswered)
-            total = int(con.sql(f"SELECT count(DISTINCT run_id) FROM ({query})"
-                                ).fetchall()[0][0])
-            reader = con.sql(query).to_arrow_reader(MAX_BATCH_ROWS)
+        with tempfile.TemporaryDirectory(prefix="poimen-export-",
+                                         dir=budget.temp_directory) as tmp, \
+                export_rows(log, source, lsn, opts, budget, tmp) as rows:
 
             def report(runs_done: int, records: int) -> None:
                 if progress is not None:
-                    progress(ExportProgress(runs_done, total, records, out.bytes))
+                    progress(ExportProgress(runs_done, rows.total_runs, records, out.bytes))
 
             with Sink(os.fspath(dest), dest_options) as out:
                 writer = _WRITERS[format](out, lsn)
-                stats = _pump(reader, writer, fetcher, _SLOTS[format], batch_size, report)
+                stats = _pump(rows.batches, writer, fetcher, _SLOTS[format], batch_size,
+                              report)
                 writer.close()
-        finally:
-            con.close()
     finally:  # after a failure, fetches still queued are dropped, not waited for
         pool.shutdown(wait=True, cancel_futures=True)
-    return ExportReport(out.url, format, used, lsn, stats[0], stats[1], out.bytes,
-                        stats[2], out.sha256, *skipped)
-
-
-def _chat_filter(format: str, keep_unanswered: bool) -> str:
-    """The chat format needs a user turn, and an assistant turn unless ``keep_unanswered``:
-    a null message would train a model to stop at once."""
-    if format != "jsonl":
-        return ""
-    return "WHERE prompt_ref IS NOT NULL" + ("" if keep_unanswered
-                                             else " AND output_ref IS NOT NULL")
-
-
-def _skipped(con: Any, format: str, keep_unanswered: bool) -> tuple[int, int]:
-    """(no output, no prompt) attempts the chat filter leaves out."""
-    if format != "jsonl":
-        return 0, 0
-    no_out, no_prompt = con.execute(
-        "SELECT count(*) FILTER (prompt_ref IS NOT NULL AND output_ref IS NULL), "
-        "count(*) FILTER (prompt_ref IS NULL) FROM export_live").fetchall()[0]
-    return (0 if keep_unanswered else int(no_out)), int(no_prompt)
-
-
-def _connect(log: EventLog, source: str, lsn: int) -> tuple[Any, str]:
-    """A connection with the fold's views at ``lsn`` (``fold.connect``, so memory stays
-    bounded: the state's files and the segments are scanned, never loaded whole), and the
-    source used: ``"state"`` (a state at exactly ``lsn``), ``"state+log"`` (an older state,
-    the runs later commits touched folded again), or ``"log"`` (a cold fold). The rows are
-    the same whichever it is, so the bytes are too."""
-    try:
-        con = connect(log, lsn, source=source)  # type: ignore[arg-type]
-    except NotFound as exc:
-        raise NotFound(str(exc).replace("connect:", "export:", 1)) from None
-    used = con.execute("SELECT getvariable('poimen_source')").fetchall()[0][0]
-    return con, str(used)
-
-
-def _select(con: Any, runs: Iterable[str] | None, only_succeeded: bool) -> None:
-    """Create the temp table ``export_live``: the rows to export, refs and metadata only."""
-    where = []
-    params: dict[str, Any] = {}
-    if runs is not None:
-        wanted = sorted(set(runs if not isinstance(runs, str) else [runs]))
-        if not all(isinstance(r, str) for r in wanted):
-            raise ValidationError("export: runs must be run ids (str)")
-        found = {r for (r,) in con.execute(
-            "SELECT run_id FROM runs WHERE list_contains($runs, run_id)",
-            {"runs": wanted}).fetchall()}
-        missing = [r for r in wanted if r not in found]
-        if missing:
-            raise NotFound(f"export: no run {', '.join(missing[:5])} in the log at this LSN")
-        where.append("AND list_contains($runs, t.run_id)")
-        params["runs"] = wanted
-    if only_succeeded:
-        where.append("AND t.state = 'succeeded'")
-    sql = _LIVE_SQL.format(where=" ".join(where), verdict_type=_duck_type(VERDICT_TYPE),
-                           trajectory_order=_trajectory_order())
-    con.execute(f"CREATE OR REPLACE TEMP TABLE export_live AS {sql}", params)
-
-
-def _trajectory_order() -> str:
-    """The fold's order of the attempts within one trajectory (its table keys after run
-    and trajectory), so the export and the ``trajectories`` view never disagree."""
-    keys = [k for k in _fold.TABLE_KEYS["trajectories"]
-            if k.split()[0] not in ("run_id", "trajectory_branch_id")]
-    return ", ".join(f"t.{k}" for k in keys)
-
-
-def _duck_type(t: pa.StructType) -> str:
-    names = {pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN", pa.float64(): "DOUBLE",
-             pa.int64(): "BIGINT"}
-    return "STRUCT(" + ", ".join(f"{f.name} {names[f.type]}" for f in t) + ")"
+    return ExportReport(out.url, format, rows.source, lsn, stats[0], stats[1], out.bytes,
+                        stats[2], out.sha256, *rows.skipped)
 
 
 # --- the pipeline ------------------------------------------------------------------------
 
 
-def _batches(reader: pa.RecordBatchReader, slots: tuple[str, ...], budget: int
+def _batches(reader: Iterable[pa.RecordBatch], slots: tuple[str, ...], budget: int
              ) -> Iterator[pa.RecordBatch]:
     """Re-cut DuckDB's batches (whose sizes vary between runs) by a pure function of the
     rows: at most ``MAX_BATCH_ROWS`` rows and ``budget`` body bytes (at least one row)."""
@@ -419,12 +287,12 @@ class _Fetcher:
     def _late_reductions(self) -> dict[tuple[str, str], BlobRef]:
         with self._lock:
             if self._late is None:
-                ev = self.log.read_events()
-                red = ev.filter(pc.equal(ev.column("kind"), "blob_reduced"))
-                self._late = {}
-                for o, s in zip(red.column("original").to_pylist(),
-                                red.column("summary").to_pylist(), strict=True):
-                    self._late[(o["tenant"], o["sha256"])] = BlobRef(**s)
+                self._late = {}  # the reductions only, as the segments stream past
+                for b in self.log.scan(columns=("kind", "original", "summary")):
+                    red = b.filter(pc.equal(b.column("kind"), "blob_reduced"))
+                    for o, s in zip(red.column("original").to_pylist(),
+                                    red.column("summary").to_pylist(), strict=True):
+                        self._late[(o["tenant"], o["sha256"])] = BlobRef(**s)
             return self._late
 
 
@@ -475,7 +343,7 @@ class _Groups:
         return self.at
 
 
-def _pump(reader: pa.RecordBatchReader, writer: Any, fetcher: _Fetcher,
+def _pump(reader: Iterable[pa.RecordBatch], writer: Any, fetcher: _Fetcher,
           slots: tuple[str, ...], budget: int,
           report: Callable[[int, int], None] | None) -> tuple[int, int, int]:
     """Write batch i while batch i+1's bodies are fetched; within a batch, a row is

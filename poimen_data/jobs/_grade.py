@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from poimen_data.errors import NotFound, ValidationError
+from poimen_data.fold._build import budget_of
 from poimen_data.jobs._grade_exec import is_dask_client, run_dask, run_here
 from poimen_data.jobs._grade_types import (
     DEFAULT_BATCH,
@@ -42,7 +43,8 @@ from poimen_data.model import _events as ev
 
 
 def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[VerifierScope],
-          runs: Iterable[str] | None, force: bool) -> tuple[list[GradeTask], int]:
+          runs: Iterable[str] | None, force: bool,
+          memory_limit: int) -> tuple[list[GradeTask], int]:
     """Runs to grade with their verifiers still owed, and how many runs were considered.
 
     One query over the ``runs`` view finds them all (never one per run); one more over
@@ -56,7 +58,7 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[Verifie
 
     from poimen_data.fold._connect import connect
 
-    con = connect(log, at_lsn=head)
+    con = connect(log, at_lsn=head, memory_limit=memory_limit)
     try:
         if runs is None:
             rows = con.execute(
@@ -219,6 +221,7 @@ def grade(
     batch_size: int = DEFAULT_BATCH,
     threads: int | None = None,
     chunk_runs: int = DEFAULT_CHUNK,
+    memory_limit: int | str | None = None,
 ) -> GradeReport:
     """Grade the runs in ``verifying`` at the head (or ``runs``) and record one verdict
     per (run, verifier) not yet graded at that snapshot LSN (all of them with ``force``).
@@ -238,6 +241,12 @@ def grade(
     how many attempts the attempt-scoped verifiers grade). Snapshots are built
     ``chunk_runs`` runs per fold. Verdicts are committed ``batch_size`` per transaction
     as they arrive, so an interrupted job keeps the verdicts it made.
+
+    Memory is bounded whatever the size of the log: the runs to grade are planned in
+    DuckDB, and their snapshots are folded one group of run buckets at a time (one scan
+    of the segments spills their events by bucket) under ``memory_limit`` (bytes or e.g.
+    ``"2GB"``; default ``$POIMEN_MEMORY_LIMIT``, else a quarter of the machine, at most
+    1.5 GiB), spilling past it to a temp directory.
     """
 
     t0 = time.perf_counter()
@@ -268,8 +277,9 @@ def grade(
         raise ValidationError("grade: blobs= is not available on Dask (workers read bodies "
                               "through their own log)")
 
+    budget = budget_of(memory_limit)
     head = log.head
-    tasks, considered = _plan(log, head, ids, scopes, runs, force)
+    tasks, considered = _plan(log, head, ids, scopes, runs, force, budget.memory_limit)
     rec = _Recorder(log, ids, tasks, batch_size)
     snap_s: list[float] = []
     planned: list[int] = []  # results per chunk, known once its snapshots are built
@@ -279,7 +289,7 @@ def grade(
     else:
         results = run_here(log, tasks, vs, scopes,
                            blobs if blobs is not None else log.blobs, limits, n_threads,
-                           chunk_runs, snap_s, planned)
+                           chunk_runs, snap_s, planned, budget)
     per_run = sum(1 for t in tasks for i in t.todo if scopes[i].scope == "run")
     done = 0
     try:

@@ -27,6 +27,7 @@ from poimen_data.log._blobs import BlobStore
 from poimen_data.model._limits import number_problem, text_problem, utf8_ok
 
 if TYPE_CHECKING:
+    from poimen_data.fold._build import Budget
     from poimen_data.fold._query import EpisodeView
     from poimen_data.log._log import EventLog
 
@@ -35,35 +36,111 @@ if TYPE_CHECKING:
 
 
 def _snapshots(log: EventLog, tasks: Sequence[GradeTask]) -> dict[str, EpisodeView]:
-    """Every task's episode, all branches, each at its own snapshot LSN, from one fold.
+    """Every task's episode, all branches, each at its own snapshot LSN, from one fold
+    (what a Dask worker builds for its chunk).
 
     Every fold rule looks at one run's events only, so folding the events of all these
     runs, each cut at its own snapshot LSN, gives for each run exactly what a cold fold
     of the log at that LSN gives (the barrier tests compare the bytes). One fold for the
-    batch instead of one per run is what makes grading fast.
+    batch instead of one per run is what makes grading fast. The segments stream past
+    and only these runs' events are kept: memory holds the chunk, never the log.
     """
     if not tasks:
         return {}
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from poimen_data.fold._fold import fold_tables
-    from poimen_data.fold._query import EPISODE_TABLES, episodes_from_tables
+    from poimen_data.fold._fold import fold_tables, run_events
+    from poimen_data.fold._query import EPISODE_TABLES
 
     cut = {t.run_id: t.snapshot_lsn for t in tasks}
-    events = log.read_events(at_lsn=max(cut.values()))
+    events = run_events(log, list(cut), at_lsn=max(cut.values()))
     # The mask is computed on two combined columns and applied with one take: a log of
     # many small commits has one chunk per commit, and per-chunk compute costs add up.
     slot = pc.index_in(events.column("run_id").combine_chunks(),
                        value_set=pa.array(list(cut), pa.string()))
     limit = pc.take(pa.array(list(cut.values()), pa.int64()), slot)
     keep = pc.fill_null(pc.less_equal(events.column("lsn").combine_chunks(), limit), False)
-    tables = fold_tables(events.take(pc.indices_nonzero(keep)), EPISODE_TABLES)
+    return _views(fold_tables(events.take(pc.indices_nonzero(keep)), EPISODE_TABLES), cut)
+
+
+def _views(tables: dict[str, Any], cut: dict[str, int]) -> dict[str, EpisodeView]:
+    from poimen_data.fold._query import episodes_from_tables
+
     out = {v.run_id: v for v in episodes_from_tables(tables, at_lsn=0, lsn_of=cut)}
     missing = set(cut) - set(out)
     if missing:
         raise NotFound(f"grade: no events for run {sorted(missing)[0]!r} at its snapshot")
     return out
+
+
+def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
+                        budget: Budget) -> Iterator[tuple[list[GradeTask],
+                                                          dict[str, EpisodeView], float]]:
+    """(tasks, their snapshots, seconds spent) ``chunk`` runs at a time, under ``budget``.
+
+    The events of the runs to grade, each cut at its snapshot LSN, are spilled by run
+    bucket in one scan of the segments (``fold._build.spill_groups``); each group of
+    buckets is then loaded into DuckDB (which spills past ``memory_limit``), and folded
+    ``chunk`` runs at a time. Memory holds one chunk's fold and views, whatever the size
+    of the log. One group needs no spill.
+    """
+    import tempfile
+
+    import pyarrow as pa
+
+    from poimen_data.fold import _build as B
+    from poimen_data.fold._fold import TABLE_KEYS, create_fold_tables, new_connection
+    from poimen_data.fold._query import EPISODE_TABLES
+    from poimen_data.fold._state import plan_groups
+
+    lsn = max(t.snapshot_lsn for t in tasks)
+    groups = plan_groups(log, lsn, budget, None)
+    by_group: list[list[GradeTask]] = [[] for _ in groups]
+    group_of = {b: i for i, g in enumerate(groups) for b in g}
+    for t in tasks:
+        by_group[group_of[B.bucket_of(t.run_id)]].append(t)
+    keep = ("WHERE EXISTS (SELECT 1 FROM _grade_cut c WHERE c.run_id = _scan.run_id "
+            "AND _scan.lsn <= c.snapshot_lsn)")
+    with tempfile.TemporaryDirectory(prefix="poimen-grade-",
+                                     dir=budget.temp_directory) as tmp, \
+            new_connection(memory=budget.memory_limit) as con:
+        con.execute("SET preserve_insertion_order = false")
+        con.register("_grade_cut", pa.table({
+            "run_id": pa.array([t.run_id for t in tasks], pa.string()),
+            "snapshot_lsn": pa.array([t.snapshot_lsn for t in tasks], pa.int64())}))
+        if len(groups) == 1:
+            con.register("_scan", log.scan_events(lsn, batch_rows=B.BATCH_ROWS))
+            con.execute(f"CREATE TEMP TABLE _grade_group AS SELECT * FROM _scan {keep}")
+            con.unregister("_scan")
+            parts = None
+        else:
+            parts = B.spill_groups(con, log, lsn, groups, f"{tmp}/parts", where=keep)
+        for i, todo in enumerate(by_group):
+            if not todo:
+                continue
+            if parts is not None:
+                B.load_group(con, parts[i], "_grade_group")
+            for lo in range(0, len(todo), chunk):
+                t0 = time.perf_counter()
+                part = todo[lo:lo + chunk]
+                cut = {t.run_id: t.snapshot_lsn for t in part}
+                con.register("_grade_chunk", pa.table({"run_id": pa.array(list(cut),
+                                                                            pa.string())}))
+                # the fold of one chunk of runs: its memory does not grow with the group
+                con.execute("CREATE TEMP TABLE events AS SELECT * FROM _grade_group "
+                            "WHERE run_id IN (SELECT run_id FROM _grade_chunk)")
+                con.unregister("_grade_chunk")
+                create_fold_tables(con, EPISODE_TABLES, ordered=False, temp=True)
+                tables = {name: con.sql(f"SELECT * FROM {name} ORDER BY "
+                                        f"{', '.join(TABLE_KEYS[name])}").to_arrow_table()
+                          for name in EPISODE_TABLES}
+                for name in ("events", "runs", "attempts", "branches"):
+                    con.execute(f"DROP TABLE IF EXISTS {name}")
+                snaps = _views(tables, cut)
+                del tables
+                yield part, snaps, time.perf_counter() - t0
+            con.execute("DROP TABLE _grade_group")
 
 
 # --- which attempts an attempt-scoped verifier grades ----------------------------------
@@ -303,13 +380,14 @@ def run_dask(client: Any, log: EventLog, tasks: Sequence[GradeTask],
 
 def run_here(log: EventLog, tasks: Sequence[GradeTask], verifiers: Sequence[Verifier],
               scopes: Sequence[VerifierScope], blobs: BlobStore, limits: Sequence[float],
-              threads: int, chunk: int, snap_s: list[float],
-              planned: list[int]) -> Iterator[GradeResult]:
-    """In-process: ``chunk`` runs at a time, so memory holds one chunk of snapshots."""
-    for lo in range(0, len(tasks), chunk):
-        part = tasks[lo:lo + chunk]
-        t0 = time.perf_counter()
-        snaps = _snapshots(log, part)
-        snap_s.append(time.perf_counter() - t0)
+              threads: int, chunk: int, snap_s: list[float], planned: list[int],
+              budget: Budget) -> Iterator[GradeResult]:
+    """In-process: snapshots come ``chunk`` runs at a time from a fold split by run
+    bucket (``_bucketed_snapshots``), so memory holds one chunk of snapshots and one
+    bucket group's fold under ``budget``."""
+    if not tasks:
+        return
+    for part, snaps, spent in _bucketed_snapshots(log, tasks, chunk, budget):
+        snap_s.append(spent)
         yield from _run_local(part, snaps, verifiers, scopes, blobs, limits, threads,
                               planned)

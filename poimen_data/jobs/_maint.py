@@ -28,7 +28,13 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from poimen_data.errors import LeaseHeld, NotFound, ValidationError, WritersActive
+from poimen_data.errors import (
+    CorruptionError,
+    LeaseHeld,
+    NotFound,
+    ValidationError,
+    WritersActive,
+)
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
 from poimen_data.log._txn import now_iso
@@ -437,7 +443,9 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
 
     Events, LSNs and seqs are unchanged (compacted segments store ``lsn`` and ``seq``);
     one manifest of kind ``compact`` adds the new files and supersedes the old ones, so
-    readers skip them. A checkpoint follows, so opening stays flat.
+    readers skip them. A checkpoint follows, so opening stays flat. Segments are read
+    as a stream, one group at a time: memory holds about ``target_rows`` events, whatever
+    the size of the log.
     """
     log = as_log(log, storage_options=storage_options)
     small = target_rows // 2 if min_rows is None else min_rows
@@ -465,8 +473,15 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         txn = uuid.uuid4().hex
         new: list[SegmentInfo] = []
         for i, g in enumerate(groups):
-            table = pa.concat_tables([log.segment_table(s) for s in g]).cast(ev.LOG_SCHEMA)
+            # streamed, not through the segment cache: memory holds one group (about
+            # ``target_rows`` events), never every segment compacted so far
+            table = pa.Table.from_batches(list(log.scan(g[-1].last_lsn, g[0].first_lsn)),
+                                          ev.LOG_SCHEMA)
             table = table.combine_chunks()  # one record batch, not one per old segment
+            if table.num_rows != sum(s.rows for s in g):
+                raise CorruptionError(f"{log.root}: compacting {g[0].path}: read "
+                                      f"{table.num_rows} events, the manifests list "
+                                      f"{sum(s.rows for s in g)}")
 
             def fill(sink: Any, table: pa.Table = table) -> None:
                 with pa.ipc.new_file(sink, ev.LOG_SCHEMA) as w:
