@@ -25,6 +25,7 @@ SLOW_FILES = frozenset({
     "test_bench.py", "test_cli_pipelines.py", "test_grade_dask.py", "test_log_open.py",
     "test_log_processes.py", "test_maint_equivalence.py", "test_notebooks.py",
     "test_txn_background.py", "test_fold_bench.py", "test_grade_speed.py",
+    "test_jobs_bounded.py",
 })
 #: Single slow tests (property tests over many histories, big pinned workloads).
 SLOW_TESTS = frozenset({

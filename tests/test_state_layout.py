@@ -3,6 +3,7 @@ memory bound of the partitioned fold (issues 13, 15 items 2-3, 16 item H)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -219,23 +220,25 @@ print(json.dumps({{"graded": g.runs_graded, "exported": e.records, "episode": on
 MEMORY_CHILD = f"""
 import json, sys
 import poimen_data as pdm
-root, budget = sys.argv[1:3]
+root, budget, out = sys.argv[1:4]
 r = pdm.materialize(root, memory_limit=budget)
 c = pdm.check(root, memory_limit=budget)
+e = pdm.export_live(root, out + ".state", format="parquet", memory_limit=budget)
 with pdm.connect(root, source="log", memory_limit=budget) as con:  # a fold of the log
     cold = con.sql("select state, count(*) from runs group by 1 order by 1").fetchall()
 with pdm.connect(root, memory_limit=budget) as con:
     served = con.sql("select state, count(*) from runs group by 1 order by 1").fetchall()
     verdicts = con.sql("select count(*) from verdicts").fetchall()[0][0]
 print(json.dumps({{"ok": c.ok, "full": r.full, "runs": r.runs_folded, "same": cold == served,
-                  "verdicts": verdicts, "rss": {PEAK}}}))
+                  "verdicts": verdicts, "exported_state": e.records, "rss": {PEAK}}}))
 """
 
 
 @pytest.mark.slow
 def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> None:
     """compact, episode (from the log), grade, export_live (a cold fold), materialize,
-    check, and connect + a query (a fold of the log, then the state), in two children, on
+    check, export_live from the state, and connect + a query (a fold of the log, then the
+    state), in two children, on
     events taking several times the budget in Arrow: each one's peak RSS stays bounded."""
     root = tmp_path / "log"
     log = pdm.open_log(root, durable=False)
@@ -265,7 +268,10 @@ def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> No
         peaks.append(got.pop("rss"))
     assert got["ok"] and got["full"] and got["runs"] > 10_000 and got["same"]
     assert got["graded"] == got["verdicts"] > 10_000  # every run in verifying, once
-    assert got["exported"] > 100_000
+    assert got["exported"] == got["exported_state"] > 100_000
+    export = tmp_path / "export.parquet"  # the state's export is the cold fold's, byte for byte
+    assert hashlib.sha256(export.read_bytes()).hexdigest() == \
+        hashlib.sha256(Path(f"{export}.state").read_bytes()).hexdigest()
     assert got["compacted"] == [100, 20] and got["episode"] == "run-000007-x3"
     # DuckDB's budget, about as much again for Arrow batches in flight and parquet encoders,
     # plus slack: below the events' Arrow size on top of the baseline (measured: 2.4x)
