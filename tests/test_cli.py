@@ -189,7 +189,8 @@ def test_materialize_check_grade_export(demo_root, tmp_path: Path) -> None:
     rep = json.loads(r.stdout)
     assert (r.exit_code, rep["lsn"], rep["full"]) == (0, head, True)
     r = poimen("materialize", "--memory-limit", "lots", "--root", root)
-    assert r.exit_code != 0 and "memory_limit 'lots'" in r.stderr
+    assert r.exit_code != 0 and "memory_limit: expected a size" in r.stderr
+    assert "got 'lots'" in r.stderr
     r = poimen("check", "--root", root)
     assert r.exit_code == 0
     assert r.stdout.startswith(f"state at lsn {head} equals a cold re-fold: ")

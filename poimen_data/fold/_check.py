@@ -123,7 +123,7 @@ def check(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     it is checked makes check start again on the new pointer.
     """
     log = as_log(log, storage_options=storage_options)
-    budget = S._budget(memory_limit, temp_directory)
+    budget = B.budget_of(memory_limit, temp_directory)
     for _ in range(MAX_TRIES - 1):
         try:
             return _check_once(log, budget, executor, passes)

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from poimen_data.errors import CorruptionError, PoimenError, StateChanged, ValidationError
+from poimen_data.errors import CorruptionError, PoimenError, StateChanged
 from poimen_data.fold import _build as B
 from poimen_data.fold._build import (
     INDEX,
@@ -396,7 +396,7 @@ def _merge_reductions(log: EventLog, ptr: Pointer, b: _Build, con: Any, w: Write
 def cold_files(log: EventLog, lsn: int, *, passes: int | None = None,
                memory_limit: int | str | None = None) -> dict[str, tuple[FileEntry, ...]]:
     """The entries a cold full build at ``lsn`` gives, sorted by key (nothing written)."""
-    budget = _budget(memory_limit, None)
+    budget = B.budget_of(memory_limit)
     w = Writer(lambda *_a: None)
     try:
         b = build_full(log, lsn, w, budget, plan_groups(log, lsn, budget, passes))
@@ -493,22 +493,6 @@ def _settle(log: EventLog, ptr: Pointer) -> None:
     log.storage.write(POINTER, dumps(ptr.to_doc()))
 
 
-def _budget(memory_limit: int | str | None, temp_directory: str | None) -> Budget:
-    if memory_limit is None:
-        return Budget(B.default_memory_limit(), temp_directory)
-    if isinstance(memory_limit, str):
-        units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10,  # as DuckDB reads them
-                 "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
-        s = memory_limit.strip().upper().replace(" ", "")
-        for u, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-            if s.endswith(u) and s[:-len(u)].replace(".", "", 1).isdigit():
-                return Budget(int(float(s[:-len(u)]) * mult), temp_directory)
-        raise ValidationError(f"memory_limit {memory_limit!r}: expected e.g. '2GB'")
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 1:
-        raise ValidationError(f"memory_limit must be bytes > 0, got {memory_limit!r}")
-    return Budget(memory_limit, temp_directory)
-
-
 def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
                 full: bool = False, memory_limit: int | str | None = None,
                 temp_directory: str | None = None, executor: Any = None,
@@ -526,7 +510,7 @@ def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     state the winner published, or builds on top of it.
     """
     log = as_log(log, storage_options=storage_options)
-    budget = _budget(memory_limit, temp_directory)
+    budget = B.budget_of(memory_limit, temp_directory)
     t0 = time.perf_counter()
     for _ in range(MAX_PUBLISH_TRIES):
         lsn = log.head
