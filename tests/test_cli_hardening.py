@@ -35,13 +35,16 @@ def _one_error_line(r, fragment: str, code: int = 1) -> None:
     assert fragment in lines[0], r.output
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("hardening") / "log")
-    log = pdm.open_log(path)
+def three_runs(folder: Path) -> pdm.EventLog:
+    log = pdm.open_log(str(folder / "log"))
     for i in range(3):
         record_run(log, f"run-{i}", STEPS)
-    return path
+    return log
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return three_runs(tmp_path_factory.mktemp("hardening")).root
 
 
 # --- I: no tracebacks --------------------------------------------------------------------
@@ -191,12 +194,9 @@ def test_sql_cannot_reach_files_or_extensions_by_default(query: str, root: str,
 
 @pytest.fixture(scope="module")
 def materialized(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("hardening-state") / "log")
-    log = pdm.open_log(path)
-    for i in range(3):
-        record_run(log, f"run-{i}", STEPS)
+    log = three_runs(tmp_path_factory.mktemp("hardening-state"))
     pdm.materialize(log)
-    return path
+    return log.root
 
 
 def _state_files(root: str) -> dict[str, str]:
