@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from test_grade_barrier import grade_while
 
 import poimen_data as pdm
 from poimen_data import events as E
@@ -265,23 +266,7 @@ def test_a_mutation_while_attempts_are_graded_does_not_reach_the_held_view(
     log = pdm.open_log(str(tmp_path / "log"))
     snap = record_run(log, "r1", STEPS)
     parked = Parked(steps=("code",))
-    errors: list[BaseException] = []
-
-    def mutator() -> None:
-        try:
-            if not parked.entered.wait(WAIT_S):
-                raise AssertionError("the verifier never started")
-            MUTATORS[mutation](log.root)
-        except BaseException as exc:  # reported in the test thread
-            errors.append(exc)
-        finally:
-            parked.proceed.set()
-
-    t = threading.Thread(target=mutator)
-    t.start()
-    report = grade(log, [parked], deadline_s=WAIT_S)
-    t.join(WAIT_S)
-    assert not errors, errors
+    report = grade_while(log, parked, lambda: MUTATORS[mutation](log.root))
     fresh = pdm.open_log(log.root)
     assert fresh.head == snap + {"rewind": 3, "cancel": 1, "recovery": 1}[mutation] + 2
     # code#1 and code#3 are graded; code#2 was dispatched at the snapshot (a recovery

@@ -57,10 +57,10 @@ class Parked:
         return Verdict(True, 1.0, "held")
 
 
-def graded_with_mutator(log: pdm.EventLog, parked: Parked,
-                        mutate: Callable[[], None]) -> pdm.EventLog:
-    """Grade ``log`` with ``parked`` while ``mutate`` runs on its own thread once the
-    verifier is parked; returns a fresh handle on the log for the assertions."""
+def grade_while(log: pdm.EventLog, parked: Any, mutate: Callable[[], None]) -> Any:
+    """Grade ``log`` with ``parked`` (a verifier with ``entered`` and ``proceed`` events)
+    while ``mutate`` runs on its own thread once the verifier is parked; returns the
+    grade report, once the mutator's errors (if any) are raised here."""
     errors: list[BaseException] = []
 
     def mutator() -> None:
@@ -78,6 +78,14 @@ def graded_with_mutator(log: pdm.EventLog, parked: Parked,
     report = grade(log, [parked], deadline_s=WAIT_S)
     t.join(WAIT_S)
     assert not errors, errors
+    return report
+
+
+def graded_with_mutator(log: pdm.EventLog, parked: Parked,
+                        mutate: Callable[[], None]) -> pdm.EventLog:
+    """``grade_while`` of one run that passes; a fresh handle on the log for the
+    assertions."""
+    report = grade_while(log, parked, mutate)
     assert (report.runs_graded, report.runs_passed, report.verdicts_recorded) == (1, 1, 1)
     return pdm.open_log(log.root)
 

@@ -7,7 +7,6 @@ a window only by its limits or by ``flush``, after a rendezvous of every produce
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import BUCKET, Root
+from test_log_processes import _env
 
 import poimen_data as pdm
 from poimen_data import events as E
@@ -301,16 +301,6 @@ def test_s3_many_producers_make_one_manifest(s3: Any) -> None:
 
 
 # -- crash --------------------------------------------------------------------------------
-
-
-def _env(root: Root, crash_at: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("POIMEN_CRASH_AT", None)
-    if crash_at:
-        env["POIMEN_CRASH_AT"] = crash_at
-    if root.storage_options:
-        env["POIMEN_TEST_STORAGE_OPTIONS"] = json.dumps(root.storage_options)
-    return env
 
 
 def _parse(lines: list[bytes]) -> dict[str, tuple[int, int, int]]:

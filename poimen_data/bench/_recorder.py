@@ -155,16 +155,20 @@ def group_commit(ctx: Ctx) -> Result:
     """64 producer threads, each recording single attempts (2 events + a 4 KB prompt) one
     after the other and waiting for each to be durable, through one recorder on a durable
     local log; the reference is the same producers each committing its own transaction."""
-    m = _local(ctx)
+    return _compared(ctx, "group_commit", "group commit", _local(ctx),
+                     f"{PRODUCERS} threads, durable local disk")
+
+
+def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) -> Result:
+    """The result of a ``_compare``: events/s of the recorder against one by one."""
     ratio = m["ours"] / m["ref"]
     p99 = percentile(m["ours_lat"], 0.99)
-    return _result(ctx, "group_commit", "group commit", ours=m["ours"], reference=m["ref"],
+    return _result(ctx, name, title, ours=m["ours"], reference=m["ref"],
                    ratio=ratio, unit="events/s", ref_unit="events/s",
                    ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
                    reference_text="one by one " + fmt_rate(m["ref"], "events/s"),
                    ratio_text=fmt_ratio(ratio),
-                   note=f"{PRODUCERS} threads, durable local disk; "
-                        f"{m['records_per_commit']:.1f} records per commit",
+                   note=f"{where}; {m['records_per_commit']:.1f} records per commit",
                    details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
                             "commits": m["commits"],
                             "records_per_commit": m["records_per_commit"]})
@@ -206,6 +210,17 @@ def _atomic_conditional_put() -> None:
     S3Response.put_object = put_object  # type: ignore[method-assign,assignment]
 
 
+def _start_moto() -> Any:
+    """A started moto server on 127.0.0.1 (a free port), its request log quiet."""
+    from moto.server import ThreadedMotoServer
+
+    _atomic_conditional_put()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    return server
+
+
 @contextmanager
 def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
     """A moto S3 server on 127.0.0.1 with a bucket: yields (bucket URL, storage options).
@@ -229,14 +244,9 @@ def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]
             raise RuntimeError("the moto server process did not start")
         host, port = "127.0.0.1", int(line)
     else:
-        from moto.server import ThreadedMotoServer
-
-        _atomic_conditional_put()
         wz = logging.getLogger("werkzeug")
         level = wz.level
-        wz.setLevel(logging.ERROR)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
+        server = _start_moto()
         host, port = server.get_host_and_port()
     try:
         url = f"http://{host}:{port}"
@@ -264,12 +274,7 @@ def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]
 def _moto_main() -> None:
     """The child of ``moto_s3(own_process=True)``: prints its port, serves until its
     standard input closes."""
-    from moto.server import ThreadedMotoServer
-
-    _atomic_conditional_put()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = _start_moto()
     sys.stdout.write(f"{server.get_host_and_port()[1]}\n")
     sys.stdout.flush()
     sys.stdin.read()
@@ -283,18 +288,8 @@ def group_commit_s3(ctx: Ctx) -> Result:
     with moto_s3(own_process=True) as (base, opts):
         m = _compare(ctx, lambda name: f"{base}/{name}", per_ours, per_ref, 2,
                      storage_options=opts)
-    ratio = m["ours"] / m["ref"]
-    p99 = percentile(m["ours_lat"], 0.99)
-    return _result(ctx, "group_commit_s3", "group commit S3", ours=m["ours"],
-                   reference=m["ref"], ratio=ratio, unit="events/s", ref_unit="events/s",
-                   ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
-                   reference_text="one by one " + fmt_rate(m["ref"], "events/s"),
-                   ratio_text=fmt_ratio(ratio),
-                   note=f"{PRODUCERS} threads on moto (loopback); "
-                        f"{m['records_per_commit']:.1f} records per commit",
-                   details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
-                            "commits": m["commits"],
-                            "records_per_commit": m["records_per_commit"]})
+    return _compared(ctx, "group_commit_s3", "group commit S3", m,
+                     f"{PRODUCERS} threads on moto (loopback)")
 
 
 # --- N writer processes on one log ------------------------------------------------------------
