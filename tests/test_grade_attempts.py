@@ -420,6 +420,15 @@ def test_a_segment_lacking_a_column_reads_it_as_null(tmp_path: Path) -> None:
     with pdm.connect(fresh) as con:
         assert con.execute("select verifier, passed, score, detail from verdicts"
                            ).fetchall() == [("v@1", True, 1.0, None)]
+    # streamed, with nothing cached: the scan behind compact, grade, export and the
+    # partitioned fold reads the old segment the same way
+    streamed = pdm.open_log(str(root), create=False)
+    assert pa.Table.from_batches(list(streamed.scan()), E.LOG_SCHEMA).equals(events)
+    assert pa.Table.from_batches(list(streamed.scan(columns=["lsn", "detail"]))).to_pydict() \
+        == {"lsn": events.column("lsn").to_pylist(),
+            "detail": events.column("detail").to_pylist()}
+    pdm.materialize(streamed, full=True)
+    assert pdm.check(streamed).ok
     with pytest.raises(pdm.CorruptionError, match="seg: .*no column 'kind'"):
         conform_segment(events.drop_columns(["kind"]), "seg")
 

@@ -200,6 +200,18 @@ def _segments_from_table(t: pa.Table) -> dict[str, SegmentInfo]:
     return {row[0]: SegmentInfo(*row) for row in zip(*cols, strict=True)}
 
 
+
+def _with_lsn_seq(t: Any, first_lsn: int, seq: int) -> Any:
+    """A table or batch of a segment written without its ``lsn`` and ``seq`` columns, with
+    them (from the manifest: consecutive LSNs from ``first_lsn``, one ``seq``). Built from
+    buffers: ``pa.array(ndarray)`` would import pandas."""
+    n = t.num_rows
+    for name, col in (("seq", np.full(n, seq, np.int64)),
+                      ("lsn", np.arange(first_lsn, first_lsn + n, dtype=np.int64))):
+        arr = pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(col)])
+        t = t.add_column(0, ev.LOG_SCHEMA.field(name), arr)
+    return t
+
 class EventLog:
     """One log under a root URL. Thread-safe for readers; one transaction at a time per
     thread. Several processes may write the same log concurrently."""
@@ -441,10 +453,7 @@ class EventLog:
         if t.num_rows != s.rows:
             raise CorruptionError(f"{name}: {t.num_rows} rows, manifest says {s.rows}")
         if not s.has_lsn:
-            lsn = pa.array(np.arange(s.first_lsn, s.first_lsn + s.rows, dtype=np.int64))
-            seq = pa.array(np.full(s.rows, s.seq, dtype=np.int64))
-            t = t.add_column(0, ev.LOG_SCHEMA.field("seq"), seq)
-            t = t.add_column(0, ev.LOG_SCHEMA.field("lsn"), lsn)
+            t = _with_lsn_seq(t, s.first_lsn, s.seq)
         t = conform_segment(t, name)  # written under an older schema: missing columns null
         self._tables[s.path] = t
         return t
@@ -720,25 +729,14 @@ class EventLog:
                     continue
                 if (a, b) != (offset, offset + batch.num_rows):
                     batch = batch.slice(a - offset, b - a)
-                if not has_lsn:  # from buffers: pa.array(ndarray) would import pandas
-                    lsn = np.arange(s.first_lsn + a, s.first_lsn + b, dtype=np.int64)
-                    seq = np.full(b - a, s.seq, np.int64)
-                    for name, col in (("seq", seq), ("lsn", lsn)):
-                        arr = pa.Array.from_buffers(pa.int64(), b - a,
-                                                    [None, pa.py_buffer(col)])
-                        batch = batch.add_column(0, ev.LOG_SCHEMA.field(name), arr)
+                if not has_lsn:
+                    batch = _with_lsn_seq(batch, s.first_lsn + a, s.seq)
                 if keep is not None:
                     batch = batch.filter(pc.is_in(batch.column("run_id"), keep))
                     if not batch.num_rows:
                         continue
-                try:
-                    batch = batch.select(schema.names)
-                    if batch.schema != schema:
-                        batch = batch.cast(schema)
-                except (KeyError, pa.ArrowInvalid) as exc:
-                    raise CorruptionError(f"{self.storage.url_of(s.path)}: unexpected "
-                                          f"schema: {exc}") from None
-                yield batch
+                batch = conform_segment(batch, self.storage.url_of(s.path))
+                yield batch if columns is None else batch.select(schema.names)
 
     def scan_events(self, at_lsn: int | None = None, min_lsn: int = 1, *,
                     batch_rows: int = 65_536) -> pa.RecordBatchReader:

@@ -10,7 +10,7 @@ from dataclasses import fields
 from datetime import UTC, datetime
 from decimal import Decimal
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +44,8 @@ from poimen_data.model._events import (
 from poimen_data.model._events import REQUIRED_FIELDS as _REQUIRED
 from poimen_data.model._events import bad_field as _bad
 from poimen_data.model._limits import COST_MAX, MONEY_CONTEXT
+
+TableOrBatch = TypeVar("TableOrBatch", pa.Table, pa.RecordBatch)
 
 # --- conversion ---------------------------------------------------------------------
 
@@ -538,11 +540,12 @@ def table_refs(t: pa.Table) -> set[BlobRef]:
 # --- reading segments written under an older schema ------------------------------------
 
 
-def conform_segment(t: pa.Table, name: str) -> pa.Table:
-    """A segment read from storage, as ``LOG_SCHEMA``: a column the segment lacks (it was
-    written before the column existed) reads as all null; a column it has keeps its
-    values (cast when the writer's type differs, e.g. a string type of another width).
-    A segment missing a required column, or holding one that cannot be cast, is corrupt.
+def conform_segment(t: TableOrBatch, name: str) -> TableOrBatch:
+    """A segment (a table, or one batch of it) read from storage, as ``LOG_SCHEMA``: a
+    column the segment lacks (it was written before the column existed) reads as all
+    null; a column it has keeps its values (cast when the writer's type differs, e.g. a
+    string type of another width). A segment missing a required column, or holding one
+    that cannot be cast, is corrupt.
     """
     if t.schema == LOG_SCHEMA:
         return t
@@ -563,6 +566,6 @@ def conform_segment(t: pa.Table, name: str) -> pa.Table:
                                       f"{exc}") from None
         cols.append(col)
     try:
-        return pa.Table.from_arrays(cols, schema=LOG_SCHEMA)
+        return type(t).from_arrays(cols, schema=LOG_SCHEMA)
     except (pa.ArrowInvalid, ValueError) as exc:
         raise CorruptionError(f"{name}: unexpected schema: {exc}") from None
