@@ -404,6 +404,23 @@ def test_a_body_is_uploaded_once_per_recorder_and_staged_again_when_unknown(
     assert again.blobs.get(ref) == b"committed by another writer"
 
 
+def test_a_ref_to_a_committed_body_is_checked_without_reading_it(root: Root) -> None:
+    """A record pointing at a body committed earlier (not passed again) is checked on the
+    producer's thread from the storage's metadata: existence and size, no body read."""
+    log = root.open()
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"a committed prompt")
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        reads = log.storage.calls["read"]
+        ok = rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=ref)])
+        assert log.storage.calls["read"] == reads
+        wrong = pdm.BlobRef("acme", ref.sha256, ref.size + 1)
+        bad = rec.record([E.AttemptDispatched("acme", "w", 0, "s", 0, 1, prompt=wrong)])
+    assert ok.result(timeout=0).seq == 2
+    with pytest.raises(pdm.ValidationError, match="no committed body of that size"):
+        bad.result(timeout=0)
+
+
 def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On Linux a window's bodies and segment are written without an fsync each and made

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from poimen_data.errors import PoimenError, ValidationError
-from poimen_data.log._txn import BlobKey, CommitInfo, Transaction
+from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, ref_problem
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import events_to_table
 from poimen_data.storage._storage import BackgroundPool
@@ -237,7 +237,7 @@ class Recorder:
                 body = bodies.get((ref.tenant, ref.sha256))
                 if body is not None and len(body) == ref.size:
                     continue
-                if body is None and self.log.blobs.exists(ref):
+                if body is None and ref_problem(self.log, ref) is None:
                     continue
                 raise ValidationError(
                     f"event {i} ({e.kind}): field {name!r}: ref {ref.sha256[:12]}… of "

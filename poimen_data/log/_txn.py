@@ -57,6 +57,35 @@ class CommitInfo:
     last_lsn: int
 
 
+
+NO_BODY = "no committed body"
+
+
+def ref_problem(log: LogInternals, ref: ev.BlobRef) -> str | None:
+    """Why ``ref`` is not a committed, unreduced body of its size (None when it is), from
+    the storage's metadata alone (no body is read)."""
+    key = (ref.tenant, ref.sha256)
+    if not log.body_present(key):
+        log.refresh()  # committed by another process since we last looked?
+        if not log.body_present(key):
+            return NO_BODY
+    if ref.size != _committed_size(log, key):
+        return f"size {ref.size} does not match the body"
+    return None
+
+
+def _committed_size(log: LogInternals, key: BlobKey) -> int | None:
+    """Its size in ``blobs/``, else in staging, else in ``blobs/`` again: a background
+    promotion may move it between the first two looks (as ``get`` reads it)."""
+    home = blob_path(*key)
+    size = log.storage.size(home)
+    if size is None:
+        _reduced, staged = log.blob_location(key)
+        size = log.storage.size(staged) if staged else None
+        if size is None:
+            size = log.storage.size(home)
+    return size
+
 class Transaction:
     """A batch of blobs and events that becomes visible at once, or not at all."""
 
@@ -278,34 +307,15 @@ class Transaction:
         for t in self._bulk:
             refs |= table_refs(t)
         for ref in refs:
-            key = (ref.tenant, ref.sha256)
-            if key in mine:
+            if (ref.tenant, ref.sha256) in mine:
                 continue
-            if not self.log.body_present(key):
-                self.log.refresh()  # committed by another process since we last looked?
-            if not self.log.body_present(key):
+            problem = ref_problem(self.log, ref)
+            if problem is not None:
+                hint = " (put it with tx.put_blob in this transaction)" \
+                    if problem == NO_BODY else ""
                 self._failed = ValidationError(
-                    f"event ref {ref.sha256[:12]}… of tenant {ref.tenant!r}: no committed "
-                    "body (put it with tx.put_blob in this transaction)"
-                )
+                    f"event ref {ref.sha256[:12]}… of tenant {ref.tenant!r}: {problem}{hint}")
                 raise self._failed
-            if ref.size != self._committed_size(key):
-                self._failed = ValidationError(
-                    f"event ref {ref.sha256[:12]}…: size {ref.size} does not match the body"
-                )
-                raise self._failed
-
-    def _committed_size(self, key: BlobKey) -> int | None:
-        """Its size in ``blobs/``, else in staging, else in ``blobs/`` again: a background
-        promotion may move it between the first two looks (as ``get`` reads it)."""
-        home = blob_path(*key)
-        size = self.log.storage.size(home)
-        if size is None:
-            _reduced, staged = self.log.blob_location(key)
-            size = self.log.storage.size(staged) if staged else None
-            if size is None:
-                size = self.log.storage.size(home)
-        return size
 
     def commit(self) -> CommitInfo:
         self._check_open()
