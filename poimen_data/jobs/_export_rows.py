@@ -133,12 +133,10 @@ def export_rows(log: EventLog, source: str, lsn: int, opts: Options, budget: B.B
             return
         if used == "log":  # fold each group's events alone, not the views over the log
             con.close()
-            con = _fold.new_connection(memory=budget.memory_limit)
-            con.execute("SET preserve_insertion_order = false")  # every query orders
-            stack.callback(con.close)
+            con = stack.enter_context(B.connection(budget))  # every query orders its rows
             parts = _fold_groups(con, log, lsn, groups, opts, tmp, budget)
         else:
-            parts = _view_groups(groups)
+            parts = iter(groups)  # the views hold every run: a query keeps the group's
         files, total, no_out, no_prompt = [], 0, 0, 0
         found: set[str] = set()
         for i, in_group in enumerate(parts):
@@ -160,11 +158,6 @@ def export_rows(log: EventLog, source: str, lsn: int, opts: Options, budget: B.B
 
 #: At most this many rows per batch from DuckDB (re-cut by the pipeline anyway).
 _MAX_ROWS = 8192
-
-
-def _view_groups(groups: list[tuple[int, ...]]) -> Iterator[tuple[int, ...] | None]:
-    """Per group, its buckets: the views hold every run, a query keeps the group's."""
-    yield from groups
 
 
 def _fold_groups(con: Any, log: EventLog, lsn: int, groups: list[tuple[int, ...]],

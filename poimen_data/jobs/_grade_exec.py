@@ -85,12 +85,10 @@ def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
     ``chunk`` runs at a time. Memory holds one chunk's fold and views, whatever the size
     of the log. One group needs no spill.
     """
-    import tempfile
-
     import pyarrow as pa
 
     from poimen_data.fold import _build as B
-    from poimen_data.fold._fold import TABLE_KEYS, create_fold_tables, new_connection
+    from poimen_data.fold._fold import TABLE_KEYS, create_fold_tables
     from poimen_data.fold._query import EPISODE_TABLES
     from poimen_data.fold._state import plan_groups
 
@@ -102,10 +100,8 @@ def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
         by_group[group_of[B.bucket_of(t.run_id)]].append(t)
     keep = ("WHERE EXISTS (SELECT 1 FROM _grade_cut c WHERE c.run_id = _scan.run_id "
             "AND _scan.lsn <= c.snapshot_lsn)")
-    with tempfile.TemporaryDirectory(prefix="poimen-grade-",
-                                     dir=budget.temp_directory) as tmp, \
-            new_connection(memory=budget.memory_limit) as con:
-        con.execute("SET preserve_insertion_order = false")
+    with B.connection(budget) as con:
+        tmp = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
         con.register("_grade_cut", pa.table({
             "run_id": pa.array([t.run_id for t in tasks], pa.string()),
             "snapshot_lsn": pa.array([t.snapshot_lsn for t in tasks], pa.int64())}))
