@@ -319,21 +319,20 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
          at_lsn: AtLsn = None, root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """One episode: its branches and attempts with states, refs, usage and errors
     (bodies are never read; use `poimen sql` with blob_text for those)."""
+    from poimen_data.fold._query import EPISODE_TABLES, one_episode, resolve_lsn, run_tables
     from poimen_data.model._events import check_run_id
 
     check_run_id(run, "show")
     log = open_root(root)
-    view = pdm.episode(log, run, all_branches=all_branches, at_lsn=at_lsn)
-    with pdm.connect(log, at_lsn=view.at_lsn) as con:  # run verdicts and attempt verdicts
-        verdicts = con.execute(
-            "select verifier, snapshot_lsn, branch_id, step_id, attempt_no, passed, score, "
-            "detail, lsn from verdicts where run_id = ? order by lsn", [run]).fetchall()
+    lsn = resolve_lsn(log, at_lsn)
+    # the run's own rows, read as episode() reads them (run and attempt verdicts too)
+    tables = run_tables(log, run, at_lsn=lsn, names=(*EPISODE_TABLES, "verdicts"))
+    view = one_episode(tables, run, at_lsn=lsn, all_branches=all_branches)
+    fields = ("verifier", "snapshot_lsn", "branch_id", "step_id", "attempt_no", "passed",
+              "score", "detail", "lsn")
+    verdicts = tables["verdicts"].sort_by("lsn").select(list(fields)).to_pylist()
     if as_json:
-        doc = st.jsonable(view)
-        doc["verdicts"] = [dict(zip(("verifier", "snapshot_lsn", "branch_id", "step_id",
-                                     "attempt_no", "passed", "score", "detail", "lsn"), v,
-                                    strict=True)) for v in verdicts]
-        print(json.dumps(doc, indent=2, ensure_ascii=False))
+        emit_json({**st.jsonable(view), "verdicts": verdicts})
         return
     out.print(f"[bold]{view.run_id}[/] tenant {view.tenant}, {view.workflow_version}, "
               f"state {_styled(view.state)}, live branch {view.live_branch}, "
@@ -361,12 +360,15 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
         t = titled("verdicts", title_justify="left")
         for c in ("verifier", "snapshot", "judged", "passed", "score", "detail"):
             t.add_column(c, overflow="fold")
-        for name, snap, branch, step, n, passed, score, detail, _lsn in verdicts:
-            judged = f"run (branch {branch})" if step is None else f"{branch}/{step}#{n}"
-            t.add_row(escape(name), str(snap), escape(judged),
-                      f"[{STATE_STYLE['succeeded' if passed else 'failed']}]"
-                      f"{'yes' if passed else 'no'}[/]",
-                      "" if score is None else f"{score:g}", escape(detail or ""))
+        for v in verdicts:
+            branch, step = v["branch_id"], v["step_id"]
+            judged = f"run (branch {branch})" if step is None else \
+                f"{branch}/{step}#{v['attempt_no']}"
+            t.add_row(escape(v["verifier"]), str(v["snapshot_lsn"]), escape(judged),
+                      f"[{STATE_STYLE['succeeded' if v['passed'] else 'failed']}]"
+                      f"{'yes' if v['passed'] else 'no'}[/]",
+                      "" if v["score"] is None else f"{v['score']:g}",
+                      escape(v["detail"] or ""))
         out.print(t)
 
 

@@ -115,6 +115,7 @@ def test_show_an_episode_with_forks(demo_root) -> None:
     root, _ = demo_root
     con = pdm.connect(root)
     run, n_branches = con.sql("select run_id, n_branches from runs where n_branches > 2 "
+                              "and run_id in (select run_id from verdicts) "
                               "order by run_id limit 1").fetchall()[0]
     r = poimen("show", run, "--all-branches", "--root", root)
     assert r.exit_code == 0
@@ -127,6 +128,14 @@ def test_show_an_episode_with_forks(demo_root) -> None:
     assert view["run_id"] == run and len(view["branches"]) == 1
     assert view["branches"][0]["is_live"] is True
     assert view == json.loads(poimen("show", run, "--root", root, "--json").stdout)
+    # the run's verdicts (run and attempt verdicts), as the verdicts view holds them
+    verdicts = con.execute(
+        "select verifier, snapshot_lsn, branch_id, step_id, attempt_no, passed, score, "
+        "detail, lsn from verdicts where run_id = ? order by lsn", [run]).fetchall()
+    assert verdicts
+    assert [tuple(v.values()) for v in view["verdicts"]] == verdicts
+    table = poimen("show", run, "--root", root).stdout
+    assert all(v[0] in table for v in verdicts)
 
 
 @pytest.mark.parametrize(("args", "message"), [
