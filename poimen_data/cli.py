@@ -114,11 +114,11 @@ def command(name: str, example: str) -> Callable[[Callable[..., Any]], Callable[
     return deco
 
 
-def open_root(root: str) -> Any:
+def open_root(root: str, *, read_only: bool = False) -> Any:
     """Open an existing log; a missing one is an error that says how to make one."""
     check_url(root, "--root")
     try:
-        return pdm.open_log(root, create=False)
+        return pdm.open_log(root, create=False, read_only=read_only)
     except pdm.NotFound:
         fail(f"no poimen log at {root} (make one with `poimen demo --root {root}`, or "
              "pass --root / set POIMEN_ROOT)")
@@ -721,13 +721,9 @@ def view(host: Annotated[str, typer.Option(
     import webbrowser
 
     from poimen_data.view import create_app, serve
+    from poimen_data.view._app import LOOPBACK_HOSTS as hosts
 
-    try:
-        log = pdm.open_log(root, create=False, read_only=True)
-    except pdm.NotFound:
-        fail(f"no poimen log at {root} (make one with `poimen demo --root {root}`, or "
-             "pass --root / set POIMEN_ROOT)")
-    hosts = ("127.0.0.1", "localhost", "::1", "[::1]")
+    log = open_root(root, read_only=True)
     app = create_app(log, allowed_hosts=hosts if host in hosts else ("*",))
 
     def ready(url: str) -> None:

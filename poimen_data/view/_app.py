@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -48,6 +49,20 @@ KEEP_SUMMARIES = 64
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+
+@dataclass(frozen=True)
+class Reading:
+    """Where a request reads: ``lsn``, the ``head`` when it came in, and ``at``, the LSN
+    the user asked for with ``?at_lsn=`` (None at the head; links keep it)."""
+
+    lsn: int
+    head: int
+    at: int | None
+
+    def page(self) -> dict[str, Any]:
+        """What every page's header shows of it."""
+        return {"lsn": self.lsn, "at": self.at, "head": self.head}
+
 class Viewer:
     """The app's state: the log, the blob store bodies are read through, and a few
     DuckDB connections by LSN (one lock each: a connection serves one query at a time)."""
@@ -78,19 +93,19 @@ class Viewer:
                 self._summaries.popitem(last=False)
         return value
 
-    def lsn(self, request: Request) -> tuple[int, bool]:
-        """(the LSN to read at, whether the user asked for it) from ``?at_lsn=``."""
+    def reading(self, request: Request) -> Reading:
+        """Where ``request`` reads: ``?at_lsn=``, else the head (read once per request)."""
         raw = request.query_params.get("at_lsn", "").strip()
         head = self.log.head
         if not raw:
-            return head, False
+            return Reading(head, head, None)
         try:
             lsn = int(raw)
         except ValueError:
             raise ValidationError(f"at_lsn must be a whole number, got {raw!r}") from None
         if not 0 <= lsn <= head:
             raise ValidationError(f"at_lsn {lsn} is outside 0..{head}")
-        return lsn, True
+        return Reading(lsn, head, lsn)
 
     @contextmanager
     def con(self, lsn: int, kind: str = "views") -> Iterator[duckdb.DuckDBPyConnection]:
@@ -191,7 +206,8 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
                       message=sq.one_line(exc))
 
     def runs_page(request: Request) -> Response:
-        lsn, asked = viewer.lsn(request)
+        r = viewer.reading(request)
+        lsn = r.lsn
         q = rq.parse_query(request.query_params)
         facets, verifiers, heat = viewer.summary(lsn, q.filter, lambda con: (
             rq.facets(con, q.filter), rq.verifiers(con),
@@ -203,17 +219,17 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
             cost = svg.cost_bars(facets.started_lo, facets.bucket_s, facets.cost,
                                  rq.COST_BUCKETS)
         keep = {**q.filter.params(), "sort": q.sort, "dir": q.direction,
-                "limit": q.limit, "at_lsn": lsn if asked else None}
+                "limit": q.limit, "at_lsn": r.at}
         pages = max(1, -(-facets.total // q.limit))
         return render(request, "runs.html", q=q, f=q.filter, facets=facets, rows=rows,
                       verifiers=verifiers, heat=heat, cost=cost, keep=keep, pages=pages,
-                      sorts=rq.SORTS, sizes=rq.PAGE_SIZES, lsn=lsn, asked=asked,
-                      at=lsn if asked else None, head=viewer.log.head)
+                      sizes=rq.PAGE_SIZES, **r.page())
 
     def episode_page(request: Request) -> Response:
         run_id = request.path_params["run_id"]
         check_run_id(run_id, "view")
-        lsn, asked = viewer.lsn(request)
+        r = viewer.reading(request)
+        lsn = r.lsn
         # one run's rows, read like episode() reads them: never a scan of a whole view
         tables = run_tables(viewer.log, run_id, at_lsn=lsn, names=ep.PAGE_TABLES)
         view = one_episode(tables, run_id, at_lsn=lsn, all_branches=True)
@@ -224,72 +240,67 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
                     for b in view.branches for a in b.attempts}
         return render(request, "episode.html", view=view, facts=facts,
                       branches=ep.branch_pages(view, recovered), state_of=state_of,
-                      tree=svg.branch_tree(view, state_of), lsn=lsn,
-                      at=lsn if asked else None, head=viewer.log.head)
+                      tree=svg.branch_tree(view, state_of), **r.page())
 
     def labels_part(request: Request) -> Response:
         run_id = request.path_params["run_id"]
         check_run_id(run_id, "view")
-        lsn, _ = viewer.lsn(request)
-        with viewer.con(lsn) as con:
+        with viewer.con(viewer.reading(request).lsn) as con:
             labels = ep.run_labels(con, run_id)
         return render(request, "_labels.html", labels=labels)
 
-    def attempt_target(request: Request) -> tuple[Any, Any, int, int, bool]:
+    def attempt_target(request: Request) -> tuple[Any, Any, int, Reading]:
         run_id = request.path_params["run_id"]
         check_run_id(run_id, "view")
-        lsn, asked = viewer.lsn(request)
+        r = viewer.reading(request)
         p = request.query_params
         try:
             branch, n = int(p.get("branch", "")), int(p.get("n", ""))
         except ValueError:
             raise rq.BadRequest("branch and n must be whole numbers") from None
-        view = episode(viewer.log, run_id, all_branches=True, at_lsn=lsn)
+        view = episode(viewer.log, run_id, all_branches=True, at_lsn=r.lsn)
         a = ep.find_attempt(view, branch, p.get("step", ""), n)
-        return view, a, branch, lsn, asked
+        return view, a, branch, r
 
     def attempt_page(request: Request) -> Response:
-        view, a, branch, lsn, asked = attempt_target(request)
-        with viewer.con(lsn) as con:
+        view, a, branch, r = attempt_target(request)
+        with viewer.con(r.lsn) as con:
             prompt, output = ep.attempt_bodies(viewer.blobs, con, a)
         prev = ep.previous_attempt(view, branch, a)
         name = "_attempt_body.html" if request.query_params.get("part") == "1" \
             else "attempt.html"
         return render(request, name, view=view, a=a, branch=branch, prev=prev,
-                      bodies=(prompt, output), at=lsn if asked else None,
-                      lsn=lsn, head=viewer.log.head)
+                      bodies=(prompt, output), **r.page())
 
     def diff_page(request: Request) -> Response:
-        view, a, branch, lsn, asked = attempt_target(request)
+        view, a, branch, r = attempt_target(request)
         prev = ep.previous_attempt(view, branch, a)
         if prev is None:
             raise NotFound(f"{a.step}#{a.attempt} on branch {branch} is not a retry")
-        with viewer.con(lsn) as con:
+        with viewer.con(r.lsn) as con:
             old = ep.read_body(viewer.blobs, con, "prompt", prev.prompt)
             new = ep.read_body(viewer.blobs, con, "prompt", a.prompt)
         lines = ep.prompt_diff(old.text or "", new.text or "",
                                f"{a.step} #{prev.attempt} ({prev.state})",
                                f"{a.step} #{a.attempt} ({a.state})")
         name = "_diff_body.html" if request.query_params.get("part") == "1" else "diff.html"
-        return render(request, name, view=view, a=a, prev=prev, lines=lines,
-                      at=lsn if asked else None, lsn=lsn, head=viewer.log.head)
+        return render(request, name, view=view, a=a, prev=prev, lines=lines, **r.page())
 
     def sql_page(request: Request) -> Response:
-        lsn, asked = viewer.lsn(request)
+        r = viewer.reading(request)
         query = request.query_params.get("q", "")
         result, message = None, None
         if query.strip():
             try:
-                with viewer.con(lsn, "sql") as con:
+                with viewer.con(r.lsn, "sql") as con:
                     result = sq.run_query(con, query)
             except sq.QueryRefused as exc:
                 message = sq.one_line(exc)
         return render(request, "sql.html", 400 if message else 200, query=query,
-                      result=result, message=message, show_rows=sq.SHOW_ROWS,
-                      at=lsn if asked else None, lsn=lsn, head=viewer.log.head)
+                      result=result, message=message, show_rows=sq.SHOW_ROWS, **r.page())
 
     def sql_download(request: Request) -> Response:
-        lsn, _ = viewer.lsn(request)
+        lsn = viewer.reading(request).lsn
         fmt = request.query_params.get("format", "csv")
         if fmt not in ("csv", "parquet"):
             raise rq.BadRequest(f"format must be csv or parquet, got {fmt!r}")

@@ -24,7 +24,6 @@ from poimen_data.model._events import BlobRef
 
 #: States an attempt page colours, in the order the legend lists them.
 ATTEMPT_STATES = ("succeeded", "failed", "timed_out", "cancelled", "dispatched", "recovered")
-FAILED_STATES = ("failed", "timed_out")
 #: Characters of a body shown on the page (the size says how much there is).
 SHOW_CHARS = 200_000
 

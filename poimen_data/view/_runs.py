@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import duckdb
 
+from poimen_data.fold._query import FAILED_STATES
+
 #: Columns the page can sort by (the SQL text is chosen from this list, never from input).
 SORTS = ("started_at", "ended_at", "run_id", "state", "tenant", "workflow_version",
          "n_branches", "n_attempts", "n_failed_attempts", "cost_usd")
@@ -22,7 +24,7 @@ PAGE_SIZES = (25, 50, 100, 200)
 DEFAULT_SORT = "started_at"
 DEFAULT_LIMIT = 50
 FACETS = ("state", "tenant", "workflow_version")
-FAILED = "('failed', 'timed_out')"
+FAILED = "(" + ", ".join(f"'{state}'" for state in FAILED_STATES) + ")"  # as SQL
 
 Direction = Literal["asc", "desc"]
 
