@@ -244,25 +244,18 @@ class _Fetcher:
         self.log, self.pool = log, pool
         self._late: dict[tuple[str, str], BlobRef] | None = None
         self._lock = threading.Lock()
-        self._ahead: Future[dict[tuple[str, str], _Cell]] | None = None
 
     def submit(self, batch: pa.RecordBatch, slots: tuple[str, ...]) -> Bodies:
         """Start fetching every body of ``batch`` (each distinct ref once), in row order,
         so the writer's first rows are the first to arrive."""
-        ahead: dict[tuple[str, str], _Cell] = {}
-        if self._ahead is not None:
-            ahead, self._ahead = self._ahead.result(), None
-        groups = _Groups(self, ahead)
+        groups = _Groups(self)
         cols = [batch.column(f"{s}_ref").to_pylist() for s in slots]
         cells: list[list[_Cell | None]] = [[None] * batch.num_rows for _ in slots]
         for i, row in enumerate(zip(*cols, strict=True)):
             for k, d in enumerate(row):
                 if d is not None:
                     groups.add((d["tenant"], d["sha256"]), d["size"], cells[k], i)
-        used = {id(c[0]) for c in groups.close().values()}
-        for fut, _ in ahead.values():  # guessed wrong: not read yet, not read at all
-            if id(fut) not in used:
-                fut.cancel()
+        groups.close()
         return Bodies(dict(zip(slots, cells, strict=True)),
                       {s: batch.column(f"{s}_reduced").to_pylist() for s in slots})
 
@@ -299,24 +292,20 @@ class _Fetcher:
 class _Groups:
     """Cuts refs, in the order given, into pool tasks of about ``_GROUP_BYTES`` or
     ``_GROUP_REFS`` each (each distinct ref once), and fills in the cells that wait for
-    them; refs already under way (``known``) are reused."""
+    them."""
 
-    def __init__(self, fetcher: _Fetcher, known: dict[tuple[str, str], _Cell] | None = None
-                 ) -> None:
-        self.fetcher, self.known = fetcher, known or {}
+    def __init__(self, fetcher: _Fetcher) -> None:
+        self.fetcher = fetcher
         self.at: dict[tuple[str, str], _Cell] = {}
         self.refs: list[BlobRef] = []
         self.index: dict[tuple[str, str], int] = {}
         self.waiting: list[tuple[list[_Cell | None], int, int]] = []
         self.size = 0
 
-    def add(self, key: tuple[str, str], size: int,
-            col: list[_Cell | None] | None = None, i: int = 0) -> None:
-        cell = self.at.get(key) or self.known.get(key)
+    def add(self, key: tuple[str, str], size: int, col: list[_Cell | None], i: int) -> None:
+        cell = self.at.get(key)
         if cell is not None:
-            self.at[key] = cell
-            if col is not None:
-                col[i] = cell
+            col[i] = cell
             return
         j = self.index.get(key)
         if j is None:
@@ -325,8 +314,7 @@ class _Groups:
             j = self.index[key] = len(self.refs)
             self.refs.append(BlobRef(*key, size))
             self.size += size
-        if col is not None:
-            self.waiting.append((col, i, j))
+        self.waiting.append((col, i, j))
 
     def _flush(self) -> None:
         fut = self.fetcher.pool.submit(self.fetcher._bodies, self.refs)
@@ -336,11 +324,10 @@ class _Groups:
             col[i] = (fut, j)
         self.refs, self.index, self.waiting, self.size = [], {}, [], 0
 
-    def close(self) -> dict[tuple[str, str], _Cell]:
-        """Submit the last group; every ref added, with its task and place in it."""
+    def close(self) -> None:
+        """Submit the last group."""
         if self.refs:
             self._flush()
-        return self.at
 
 
 def _pump(reader: Iterable[pa.RecordBatch], writer: Any, fetcher: _Fetcher,

@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
-import pyarrow as pa
-
 from poimen_data.log._manifest import Manifest, SegmentInfo
 from poimen_data.storage import Storage
 
@@ -61,7 +59,5 @@ class LogInternals(Protocol):
 
     # segments and manifests (maintenance)
     def segments(self, at_lsn: int | None = None, min_lsn: int = 1) -> list[SegmentInfo]: ...
-
-    def segment_table(self, s: SegmentInfo) -> pa.Table: ...
 
     def manifests(self, since_seq: int = 0) -> Iterator[Manifest]: ...

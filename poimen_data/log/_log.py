@@ -418,10 +418,6 @@ class EventLog:
         """Checkpoint when ``seq`` is a multiple of the interval."""
         self._maybe_checkpoint(seq)
 
-    def segment_table(self, s: SegmentInfo) -> pa.Table:
-        """A live segment's events as a LOG_SCHEMA table, verified against its manifest."""
-        return self._segment_table(s)
-
     # -- transactions -------------------------------------------------------------
 
     def transaction(self) -> Transaction:

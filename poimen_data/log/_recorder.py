@@ -24,16 +24,12 @@ from poimen_data.errors import PoimenError, ValidationError
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, ref_problem
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import events_to_table
-from poimen_data.storage._storage import BackgroundPool
+from poimen_data.storage._pools import RECORD_IO_POOL
 
 if TYPE_CHECKING:
     from poimen_data.log._log import EventLog
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
-# A window stages many small bodies, each written and fsynced on its own: concurrent
-# fsyncs share the file system's journal commits, so more of them in flight finish sooner
-# (64 bodies of 4 KB: about 100 ms on 4 threads, 40 ms on 16, measured here).
-_BODY_IO = BackgroundPool("poimen-record-io", 16)
 BODIES_IN_FLIGHT = 64
 KNOWN_BODIES = 65_536
 SMALL_BODY = 64 << 10
@@ -284,7 +280,7 @@ class Recorder:
                     self._hand(_STOP)
                     return
             tx = self.log.transaction()
-            tx.io_pool, tx.max_io_in_flight = _BODY_IO, BODIES_IN_FLIGHT
+            tx.io_pool, tx.max_io_in_flight = RECORD_IO_POOL, BODIES_IN_FLIGHT
             if tx.defer_sync():
                 # page-cache writes, no fsync: a few per task, which is mostly creating the
                 # files (costly on a busy file system), beside the gatherer's Python work

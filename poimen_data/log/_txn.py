@@ -47,9 +47,6 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
-_now_iso = now_iso  # the former name (other branches may still import it)
-
-
 @dataclass(frozen=True, slots=True)
 class CommitInfo:
     seq: int | None

@@ -50,3 +50,7 @@ PROMOTE_POOL = BackgroundPool("poimen-promote", 1)
 CHECK_POOL = BackgroundPool("poimen-check", 2)
 # Hashing beside a streamed write: one thread, so one writer's buffers hash in order.
 HASH_POOL = BackgroundPool("poimen-hash", 1)
+# A recorder window's bodies (``log.recorder``), a few files per task: on a file system
+# without syncfs each is fsynced as it is written, and concurrent fsyncs share the journal
+# commits (64 bodies of 4 KB: about 100 ms on 4 threads, 40 ms on 16, measured here).
+RECORD_IO_POOL = BackgroundPool("poimen-record-io", 16)
