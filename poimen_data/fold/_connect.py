@@ -18,17 +18,18 @@ import pyarrow.compute as pc
 from poimen_data.errors import CorruptionError, NotFound, ValidationError
 from poimen_data.fold._fold import (
     PER_RUN_TABLES,
+    SOURCES,
     VIEW_SQL,
     Source,
     new_connection,
     register_blob_text,
     run_events,
 )
+from poimen_data.fold._query import resolve_lsn
 from poimen_data.fold._state import INDEX, Pointer, locate, usable_pointer
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model import _events as ev
 
-SOURCES = ("auto", "state", "log")
 #: Prefix of the names a state connection adds for itself (the stream, the tail schema).
 _PREFIX = "_poimen"
 #: The schema holding the tail's events and the fold's views over them.
@@ -101,15 +102,14 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
     more than folding it); a bigger one is copied into DuckDB, which may spill it."""
     new = pa.Table.from_batches(list(log.scan(lsn, ptr.lsn + 1)), ev.LOG_SCHEMA)
     touched = pc.unique(new.column("run_id").drop_null())
+    con.register(f"{TAIL}_touched", pa.table({"run_id": touched}))
     lo = ptr.lsn + 1
     index = _files_sql(con, log, ptr, INDEX, native)
     if len(touched) and index is None and ptr.tables.get("runs"):
         lo = 1  # no run index: the touched runs' first events may be anywhere
     elif len(touched) and index is not None:
-        con.register(f"{_PREFIX}_touched", pa.table({"run_id": touched}))
         first = con.execute(f"SELECT min(first_lsn) FROM {index} WHERE run_id IN "
-                            f"(SELECT run_id FROM {_PREFIX}_touched)").fetchall()[0][0]
-        con.unregister(f"{_PREFIX}_touched")
+                            f"(SELECT run_id FROM {TAIL}_touched)").fetchall()[0][0]
         lo = lo if first is None else min(lo, int(first))
     if lo <= ptr.lsn:
         new = pa.concat_tables([run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo), new])
@@ -122,8 +122,8 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
         _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
     for name, sql in VIEW_SQL.items():
         con.execute(f"CREATE VIEW {TAIL}.{name} AS {sql}")
-    con.execute(f"CREATE VIEW {TAIL}.touched AS SELECT DISTINCT run_id FROM {TAIL}.events "
-                "WHERE run_id IS NOT NULL")
+    # the runs touched, as computed here: not a DISTINCT over the events at every query
+    con.execute(f"CREATE VIEW {TAIL}.touched AS SELECT run_id FROM {TAIL}_touched")
 
 
 def _state_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer,
@@ -216,12 +216,7 @@ def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
     """The connection ``fold.connect`` returns (see there)."""
     if source not in SOURCES:
         raise ValidationError(f"connect: source must be one of {SOURCES}, got {source!r}")
-    if at_lsn is not None and (isinstance(at_lsn, bool) or not isinstance(at_lsn, int)):
-        raise ValidationError(f"connect: at_lsn must be an int, got {at_lsn!r}")
-    head = log.head
-    lsn = head if at_lsn is None else at_lsn
-    if not 0 <= lsn <= head:
-        raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
+    lsn = resolve_lsn(log, at_lsn)
     con, used = None, "log"
     for _attempt in range(2):  # a concurrent materialize may remove what we just read
         ptr = None if source == "log" else usable_pointer(log)

@@ -16,7 +16,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import duckdb
 import duckdb.func
@@ -375,6 +375,8 @@ def run_events(log: EventLog, run_ids: Sequence[str] | pa.Array, *, at_lsn: int,
 
 
 Source = Literal["auto", "state", "log"]
+#: Where a read is served from (``Source``): the state plus the tail, the state alone, the log.
+SOURCES: tuple[str, ...] = get_args(Source)
 
 
 def register_blob_text(con: duckdb.DuckDBPyConnection, log: EventLog) -> None:

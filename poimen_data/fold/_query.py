@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import CorruptionError, NotFound, StateChanged, ValidationError
-from poimen_data.fold._fold import fold_tables, run_events
+from poimen_data.fold._fold import SOURCES, fold_tables, run_events
 from poimen_data.fold._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import (
@@ -32,7 +32,6 @@ from poimen_data.model._events import (
     check_run_id,
 )
 
-SOURCES = ("auto", "state", "log")
 #: Attempt states that count as failures (as ``runs.n_failed_attempts`` counts them).
 FAILED_STATES = ("failed", "timed_out")
 #: Failed attempts a repr names per branch before it says how many more.

@@ -67,6 +67,7 @@ import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
 from poimen_data.fold._build import budget_of
+from poimen_data.fold._fold import SOURCES
 from poimen_data.jobs._atif import AtifWriter
 from poimen_data.jobs._export_formats import SLOTS, WRITERS, Bodies, Sink
 from poimen_data.jobs._export_rows import Options, export_rows, wanted_runs
@@ -76,7 +77,6 @@ from poimen_data.model._events import BlobRef
 _WRITERS: dict[str, Callable[..., Any]] = {**WRITERS, "atif": AtifWriter}
 _SLOTS: dict[str, tuple[str, ...]] = {**SLOTS, "atif": AtifWriter.slots}
 FORMATS = tuple(_WRITERS)
-SOURCES = ("auto", "state", "log")
 DEFAULT_BATCH_BYTES = 64 << 20
 MAX_BATCH_ROWS = 8192
 
