@@ -757,13 +757,14 @@ class EventLog:
         name = self.storage.url_of(s.path)
         checked = self.__dict__.setdefault("_scan_checked", set())
         source: Any
-        if self.storage.kind == "local":
+        native = self.storage.native_path(s.path)
+        if native is not None:  # a local file: memory-mapped
             if s.path not in checked:
-                self._check_streaming(s)
+                self._check_streaming(s, native)
                 checked.add(s.path)
             self.storage.calls["read"] += 1
             try:
-                source = pa.memory_map(self.storage.full(s.path))
+                source = pa.memory_map(native)
             except FileNotFoundError:
                 raise CorruptionError(f"{name}: listed by a manifest but missing") from None
         else:
@@ -795,12 +796,13 @@ class EventLog:
     #: bytes of remote segments ``scan`` keeps between scans (the rest is read again)
     SCAN_CACHE_BYTES = 64 << 20
 
-    def _check_streaming(self, s: SegmentInfo) -> None:
-        """Size and sha256 of a local segment, read in pieces (never held whole)."""
+    def _check_streaming(self, s: SegmentInfo, path: str) -> None:
+        """Size and sha256 of a local segment (at ``path``), read in pieces (never held
+        whole)."""
         name = self.storage.url_of(s.path)
         h, size = hashlib.sha256(), 0
         try:
-            with open(self.storage.full(s.path), "rb") as f:
+            with open(path, "rb") as f:
                 while piece := f.read(1 << 22):
                     h.update(piece)
                     size += len(piece)
