@@ -21,6 +21,13 @@ JSON_SCHEMA = "poimen-bench/1"
 REPRODUCE = "poimen bench --json bench.json"
 
 
+def open_log(root: Path | str, **kw: Any) -> Any:
+    """``open_log`` of a scenario's log (imported when a scenario runs)."""
+    from poimen_data.log._log import open_log as open_
+
+    return open_(str(root), **kw)
+
+
 # --- what a scenario reports -------------------------------------------------------------
 
 

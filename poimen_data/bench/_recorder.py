@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poimen_data.bench._core import Ctx, Goal, Result, fmt_rate, fmt_ratio, fmt_time, percentile
+from poimen_data.bench._core import open_log as _open
 
 PRODUCERS = 64
 BODY = 4096
@@ -46,10 +47,10 @@ GOALS: dict[str, Goal] = {
 }
 
 
-def _open(root: str, **kw: Any) -> Any:
-    from poimen_data.log._log import open_log
-
-    return open_log(root, **kw)
+def _child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child of the bench, without a crash point."""
+    env = {k: v for k, v in os.environ.items() if k != "POIMEN_CRASH_AT"}
+    return {**env, **extra}
 
 
 def _attempt(run_id: str, ref: Any) -> list[Any]:
@@ -111,7 +112,7 @@ def _one_by_one(log: Any, per: int) -> tuple[float, list[float]]:
     return _drive(per, one)
 
 
-def _compare(ctx: Ctx, root: Callable[[str], str], per_ours: int, per_ref: int,
+def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
              reps: int, **open_kw: Any) -> dict[str, Any]:
     """Interleaved rounds of both sides, each on a fresh log; rates from summed work and
     time, latencies pooled over the rounds."""
@@ -140,7 +141,7 @@ def _local(ctx: Ctx) -> dict[str, Any]:
     if "group_local" not in ctx.cache:
         d = ctx.dir("group")
         per_ours, per_ref = (10, 2) if ctx.quick else (40, 6)
-        ctx.cache["group_local"] = _compare(ctx, lambda name: str(d / name), per_ours,
+        ctx.cache["group_local"] = _compare(lambda name: str(d / name), per_ours,
                                             per_ref, 3 if not ctx.quick else 2)
     return ctx.cache["group_local"]
 
@@ -233,10 +234,9 @@ def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]
     child = None
     server = None
     if own_process:
-        env = {k: v for k, v in os.environ.items() if k != "POIMEN_CRASH_AT"}
         child = subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder",
                                   "--moto"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 env=env)
+                                 env=_child_env())
         assert child.stdout is not None
         line = child.stdout.readline()
         if not line.strip().isdigit():
@@ -286,7 +286,7 @@ def group_commit_s3(ctx: Ctx) -> Result:
     instead of one per record."""
     per_ours, per_ref = (3, 1) if ctx.quick else (8, 2)
     with moto_s3(own_process=True) as (base, opts):
-        m = _compare(ctx, lambda name: f"{base}/{name}", per_ours, per_ref, 2,
+        m = _compare(lambda name: f"{base}/{name}", per_ours, per_ref, 2,
                      storage_options=opts)
     return _compared(ctx, "group_commit_s3", "group commit S3", m,
                      f"{PRODUCERS} threads on moto (loopback)")
@@ -300,9 +300,7 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
     """``n`` processes released together, each committing ``records`` records (2 events
     + a 4 KB body): one by one (``producers=0``), or from that many threads through a
     recorder. Total records/s, and lost publish races per publish."""
-    env = dict(os.environ)
-    env.pop("POIMEN_CRASH_AT", None)
-    env["POIMEN_BENCH_STORAGE_OPTIONS"] = json.dumps(opts) if opts else ""
+    env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts) if opts else "")
     procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", root,
                                f"w{i}", str(records), str(producers)], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,

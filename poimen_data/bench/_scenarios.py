@@ -35,15 +35,10 @@ from poimen_data.bench._core import (
     median,
     percentile,
 )
+from poimen_data.bench._core import open_log as _open
 
 ROWS_PER_COMMIT = 100_000  # rows per commit when a scenario bulk-loads a log
 SMALL_POOL = 50_000  # small commits take their 100 events from this many generated rows
-
-
-def _open(root: Path | str, **kw: Any) -> Any:
-    from poimen_data.log._log import open_log
-
-    return open_log(str(root), **kw)
 
 
 def _load(root: Path, table: pa.Table, rows_per_commit: int = ROWS_PER_COMMIT) -> Any:
