@@ -480,6 +480,71 @@ def test_browsing_never_writes_to_the_log(root) -> None:
     assert snapshot() == before
 
 
+def test_opening_a_connection_blocks_no_other_request(log, monkeypatch) -> None:
+    """A connection being opened at one LSN (a fold of the tail, seconds on a big log)
+    holds up no request at another LSN, and a request at the same LSN waits for it and
+    then shares it; an opener that fails fails its waiters too, and the next request
+    opens again."""
+    import threading
+
+    from poimen_data.view import _app
+
+    real, release, opening = _app.connect, threading.Event(), threading.Event()
+    slow = {"lsn": 1, "fail": False}
+
+    def connect(log_: Any, *, at_lsn: int) -> Any:
+        if at_lsn == slow["lsn"]:
+            opening.set()
+            assert release.wait(60), "never released"
+            if slow["fail"]:
+                raise pdm.PoimenError("could not open")
+        return real(log_, at_lsn=at_lsn)
+
+    monkeypatch.setattr(_app, "connect", connect)
+    viewer = _app.Viewer(log)
+    head = log.head
+    with viewer.con(head) as con:
+        con.execute("select 1")  # cached before the slow one starts
+    got: dict[str, Any] = {}
+
+    def at(lsn: int, key: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                with viewer.con(lsn) as c:
+                    got[key] = c.execute("select count(*) from runs").fetchall()[0][0]
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                got[key] = repr(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    first = at(1, "first")
+    assert opening.wait(60)
+    with viewer.con(head) as con:  # while the other one is still opening
+        assert con.execute("select count(*) from runs").fetchall() == [(TOTAL_RUNS,)]
+    threads = [first, at(1, "second")]
+    release.set()
+    for t in threads:
+        t.join(60)
+    assert got == {"first": 1, "second": 1}  # one run at LSN 1
+
+    slow.update(lsn=2, fail=True)
+    opening.clear()
+    release.clear()
+    threads = [at(2, "failed")]
+    assert opening.wait(60)
+    threads.append(at(2, "waiter"))
+    release.set()
+    for t in threads:
+        t.join(60)
+    assert got["failed"] == got["waiter"] == "PoimenError('could not open')"
+    slow["lsn"] = -1
+    with viewer.con(2) as con:  # a failed opening is not cached: opened again
+        assert con.execute("select count(*) from runs").fetchall() == [(1,)]
+    viewer.close()
+
+
 def test_server_on_a_thread_serves_on_loopback(log) -> None:
     import urllib.request
 

@@ -63,6 +63,25 @@ class Reading:
         """What every page's header shows of it."""
         return {"lsn": self.lsn, "at": self.at, "head": self.head}
 
+
+class _Conn:
+    """A cached connection, opened by the request that first wanted it, and its lock (a
+    connection serves one query at a time; the opener holds it while it opens)."""
+
+    def __init__(self) -> None:
+        self.con: duckdb.DuckDBPyConnection | None = None
+        self.error: BaseException | None = None
+        self.closed = False  # evicted: whoever still waits for it opens another
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close it once its running query is done (lock not held)."""
+        with self.lock:
+            if self.con is not None:
+                self.con.close()
+            self.closed = True
+
+
 class Viewer:
     """The app's state: the log, the blob store bodies are read through, and a few
     DuckDB connections by LSN (one lock each: a connection serves one query at a time)."""
@@ -71,7 +90,7 @@ class Viewer:
         self.log = log
         self.blobs: BlobStore = blobs if blobs is not None else log.blobs
         self._lock = threading.Lock()
-        self._cons: dict[str, OrderedDict[int, tuple[Any, threading.Lock]]] = {
+        self._cons: dict[str, OrderedDict[int, _Conn]] = {
             "views": OrderedDict(), "sql": OrderedDict()}
         self._summaries: OrderedDict[tuple[int, rq.RunFilter], Any] = OrderedDict()
 
@@ -109,30 +128,59 @@ class Viewer:
 
     @contextmanager
     def con(self, lsn: int, kind: str = "views") -> Iterator[duckdb.DuckDBPyConnection]:
+        """The connection at ``lsn``, for one query at a time. Opening one (a fold of the
+        commits after the state) and closing an evicted one (after its running query)
+        happen outside the app's lock: other requests go on meanwhile."""
+        entry = self._entry(lsn, kind)
+        try:
+            if entry.con is None:  # its opener failed: so does this request
+                assert entry.error is not None
+                raise entry.error
+            yield entry.con
+        finally:
+            entry.lock.release()
+
+    def _entry(self, lsn: int, kind: str) -> _Conn:
+        """The cache entry at ``lsn``, its lock held, opened unless its opener failed."""
         cache = self._cons[kind]
-        with self._lock:
-            entry = cache.get(lsn)
-            if entry is None:
-                con = connect(self.log, at_lsn=lsn) if kind == "views" else \
+        while True:
+            evicted: list[_Conn] = []
+            with self._lock:
+                entry = cache.get(lsn)
+                opener = entry is None
+                if entry is None:
+                    entry = cache[lsn] = _Conn()
+                    entry.lock.acquire()  # held until it is open and this request is done
+                    while len(cache) > KEEP_CONNECTIONS:
+                        evicted.append(cache.popitem(last=False)[1])
+                cache.move_to_end(lsn)
+            for old in evicted:
+                old.close()
+            if not opener:
+                entry.lock.acquire()
+                if entry.closed:  # evicted between the lookup and the lock: again
+                    entry.lock.release()
+                    continue
+                return entry
+            try:
+                entry.con = connect(self.log, at_lsn=lsn) if kind == "views" else \
                     sq.sandbox(self.log, lsn)
-                entry = (con, threading.Lock())
-                cache[lsn] = entry
-                while len(cache) > KEEP_CONNECTIONS:
-                    _, (old, old_lock) = cache.popitem(last=False)
-                    with old_lock:
-                        old.close()
-            cache.move_to_end(lsn)
-        con, lock = entry
-        with lock:
-            yield con
+            except BaseException as exc:
+                entry.error = exc
+                with self._lock:
+                    if cache.get(lsn) is entry:
+                        del cache[lsn]
+                entry.lock.release()
+                raise
+            return entry
 
     def close(self) -> None:
         with self._lock:
+            entries = [e for cache in self._cons.values() for e in cache.values()]
             for cache in self._cons.values():
-                for con, lock in cache.values():
-                    with lock:
-                        con.close()
                 cache.clear()
+        for entry in entries:
+            entry.close()
 
 
 def _env() -> Environment:
