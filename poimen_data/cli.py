@@ -583,25 +583,19 @@ def lease(break_: Annotated[bool, typer.Option(
     """Show who holds the maintenance lease (vacuum, reduce, compact), or break it."""
     import time
 
-    from poimen_data.jobs._maint import LEASE
+    from poimen_data.jobs._maint import lease_holder
 
     log = open_root(root)
-    raw = log.storage.read_or_none(LEASE)
-    held: dict[str, Any] | None = None
-    if raw is not None:
-        try:
-            held = json.loads(raw)
-        except ValueError:
-            held = {"damaged": raw.decode("utf-8", "replace")}
+    held = pdm.break_lease(log) if break_ else lease_holder(log)
     if break_ and held is not None:
         err.print("warning: breaking the maintenance lease; if its holder is still running, "
                   "it stops at its next check, but a step under way finishes and may "
                   "overlap the next maintenance job", markup=False)
-        pdm.break_lease(log)
+    expires = (held or {}).get("expires")
     doc = {"held": held is not None and not break_,
            "owner": (held or {}).get("owner"),
-           "expires_in_s": round(float((held or {}).get("expires", 0)) - time.time(), 1)
-           if isinstance((held or {}).get("expires"), int | float) else None,
+           "expires_in_s": round(expires - time.time(), 1)
+           if isinstance(expires, int | float) else None,
            "broken": bool(break_ and held is not None)}
     emit_json(doc) if as_json else out.print(kv_table("lease", doc))
 

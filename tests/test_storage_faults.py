@@ -98,6 +98,9 @@ def test_break_lease_removes_a_dead_holders_lease(root: Root) -> None:
     assert pdm.break_lease(log) == {"owner": "dead-job", "expires": 1e12}
     assert log.storage.read_or_none(LEASE) is None
     assert pdm.break_lease(log) is None
+    log.storage.write(LEASE, b'{"owner": "cut')  # a damaged lease is broken as it reads
+    assert pdm.break_lease(log) == {"damaged": '{"owner": "cut'}
+    assert log.storage.read_or_none(LEASE) is None
     assert pdm.vacuum(log).staging_removed == 0
     if root.backend == "local":  # the CLI: show, then break with a warning
         log.storage.write(LEASE, b'{"owner": "dead-job", "expires": 1e12}')

@@ -77,24 +77,25 @@ class Lease:
 
     def acquire(self, renew: bool = True) -> None:
         st = self.log.storage
-        if not st.put_if_absent(LEASE, self._body()) and not self._ours():
-            held = _read_lease(self.log)
-            if held is not None and held.get("expires", 0) > self.clock():
+        if not st.put_if_absent(LEASE, self._body()) and \
+                not self._ours(held := _read_lease(self.log)):
+            if held is not None and held["expires"] > self.clock():
                 raise LeaseHeld(f"{self.log.root}: maintenance lease held by "
                                 f"{held.get('owner')} for "
                                 f"{held['expires'] - self.clock():.0f} s more")
             st.delete(LEASE)
-            if not st.put_if_absent(LEASE, self._body()) and not self._ours():
+            if not st.put_if_absent(LEASE, self._body()) and \
+                    not self._ours(_read_lease(self.log)):
                 raise LeaseHeld(f"{self.log.root}: maintenance lease taken by another process")
         if renew:
             self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
                                              name="poimen-lease")
             self._renewer.start()
 
-    def _ours(self) -> bool:
-        """Whether the lease file is the one we just wrote: a conditional PUT whose answer
-        was lost (stored, then the retry refused) must not read as someone else's lease."""
-        held = _read_lease(self.log)
+    def _ours(self, held: dict[str, Any] | None) -> bool:
+        """Whether the lease file (``held``, as read) is the one we just wrote: a
+        conditional PUT whose answer was lost (stored, then the retry refused) must not
+        read as someone else's lease."""
         return held is not None and held.get("owner") == self.owner \
             and held.get("expires") == self.expires
 
@@ -170,18 +171,29 @@ def break_lease(log: LogLike, *,
     live holder's next ``check()`` sees the lease gone and stops before its next
     destructive step, but a step already under way finishes."""
     log = as_log(log, storage_options=storage_options)
-    held = _read_lease(log)
+    held = lease_holder(log)
+    if held is not None:
+        log.storage.delete(LEASE)
+    return held
+
+
+def lease_holder(log: EventLog) -> dict[str, Any] | None:
+    """What the lease file says (``{"damaged": text}`` when it is unreadable), or None
+    when there is no lease."""
     raw = log.storage.read_or_none(LEASE)
     if raw is None:
         return None
-    log.storage.delete(LEASE)
+    held = _parse_lease(raw)
     return held if held is not None else {"damaged": raw.decode("utf-8", "replace")}
 
 
 def _read_lease(log: EventLog) -> dict[str, Any] | None:
     """The lease document, or None when absent or unreadable (a damaged lease counts as
     expired: it names no live holder)."""
-    raw = log.storage.read_or_none(LEASE)
+    return _parse_lease(log.storage.read_or_none(LEASE))
+
+
+def _parse_lease(raw: bytes | None) -> dict[str, Any] | None:
     try:
         held = orjson.loads(raw) if raw is not None else None
     except orjson.JSONDecodeError:
