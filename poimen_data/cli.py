@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 import poimen_data as pdm
+from poimen_data.errors import one_line
 from poimen_data.jobs import chain as st
 from poimen_data.jobs.chain import titled
 
@@ -49,11 +50,6 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise CliError(message, code)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
-
-
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Catch what bad input raises and print it as one line, never a traceback."""
     import duckdb
@@ -68,19 +64,19 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             err.print(f"error: {exc}", markup=False)
             raise typer.Exit(exc.code) from None
         except PoimenError as exc:
-            err.print(f"error: {_one_line(exc)}", markup=False)
+            err.print(f"error: {one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except duckdb.Error as exc:
-            err.print(f"error: SQL: {_one_line(exc)}", markup=False)
+            err.print(f"error: SQL: {one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except (OSError, ValueError, ArithmeticError) as exc:  # Overflow: a value written
             # before the limits were checked (a year-0 timestamp) that Python cannot hold
-            err.print(f"error: {type(exc).__name__}: {_one_line(exc)}", markup=False)
+            err.print(f"error: {type(exc).__name__}: {one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except Exception as exc:
             if not _is_storage_error(exc):
                 raise
-            err.print(f"error: storage: {type(exc).__name__}: {_one_line(exc)}", markup=False)
+            err.print(f"error: storage: {type(exc).__name__}: {one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -260,7 +256,7 @@ def _repl(con: Any, max_rows: int, *, locked: bool) -> None:
         try:
             _print_query(con, q, False, max_rows)
         except duckdb.Error as exc:
-            err.print(f"error: SQL: {_one_line(exc)}", markup=False)
+            err.print(f"error: SQL: {one_line(exc)}", markup=False)
 
 
 @command("sql", "poimen sql \"select state, count(*) from runs group by state\"")
@@ -428,7 +424,7 @@ def load_verifier(spec: str) -> Any:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except ImportError as exc:
-        fail(f"--verifier {spec!r}: cannot import {mod_name}: {_one_line(exc)}")
+        fail(f"--verifier {spec!r}: cannot import {mod_name}: {one_line(exc)}")
     except AttributeError:
         fail(f"--verifier {spec!r}: {mod_name} has no {attr}")
     except SyntaxError as exc:
@@ -436,7 +432,7 @@ def load_verifier(spec: str) -> Any:
              f"{exc.lineno}: {exc.msg}")
     except Exception as exc:  # the module's own code raised while it was imported
         fail(f"--verifier {spec!r}: importing {mod_name} raised {type(exc).__name__}: "
-             f"{_one_line(exc)}")
+             f"{one_line(exc)}")
     if not callable(obj):
         fail(f"--verifier {spec!r} is not callable")
     return obj

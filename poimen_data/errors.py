@@ -47,6 +47,13 @@ class WritersActive(PoimenError):
     writers left files moments ago (pass ``force=True`` if they are known dead)."""
 
 
+def one_line(exc: BaseException) -> str:
+    """The first line of an error's message (its class name when it has none): what the
+    CLI prints and the viewer's error page shows, never a traceback."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
 __all__ = [
     "CommitConflict",
     "CorruptionError",

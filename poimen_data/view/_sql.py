@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from poimen_data.errors import one_line
 from poimen_data.fold._connect import connect, lock_down
 from poimen_data.log._log import EventLog
 
@@ -33,11 +34,6 @@ Format = Literal["csv", "parquet"]
 
 class QueryRefused(ValueError):
     """The query is not one read-only statement, or DuckDB refused it: one line."""
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
 
 
 def sandbox(log: EventLog, at_lsn: int) -> duckdb.DuckDBPyConnection:
