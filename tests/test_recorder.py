@@ -351,6 +351,19 @@ def test_a_killed_recorder_loses_only_unresolved_records(request: pytest.Fixture
     else:
         assert resolved == {}  # the first window died before any future resolved
 
+    if how == "manifest_published":
+        # published, never promoted: a reader (read-only, so no roll-forward) reads each
+        # body from its piece of the window's pack
+        reader = pdm.open_log(root.url, storage_options=root.storage_options,
+                              read_only=True)
+        staged = [b for m in reader.manifests() for b in m.blobs]
+        assert staged and all(b.staged and "/bodies.pack#" in b.staged for b in staged)
+        assert list(reader.storage.walk_files("blobs")) == []
+        prompts = [E.event_from_row(r).prompt for r in reader.read_events().to_pylist()
+                   if r["kind"] == "attempt_dispatched"]
+        assert [reader.blobs.get(ref) for ref in prompts if ref] == \
+            [prompt(r["run_id"]) for r in reader.read_events().to_pylist()
+             if r["kind"] == "attempt_dispatched"]
     pdm.vacuum(root.open(), grace=0, force=True)
     log = root.open()
     events = log.read_events()
@@ -423,9 +436,11 @@ def test_a_ref_to_a_committed_body_is_checked_without_reading_it(root: Root) -> 
 
 def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On Linux a window's bodies and segment are written without an fsync each and made
-    durable together by one syncfs, before the manifest's link; elsewhere (no syncfs)
-    each body is fsynced as it is written. The real calls run: they are only counted."""
+    """On Linux a window's pack of bodies and its segment are written without an fsync
+    each and made durable together by one syncfs, before the manifest's link; promotion
+    then copies the bodies out of the pack and makes them durable by one more syncfs
+    before it removes the pack. Elsewhere (no syncfs) each file is fsynced as it is
+    written. The real calls run: they are only counted."""
     from poimen_data.storage import _local
 
     if _local._syncfs is None:
@@ -456,9 +471,12 @@ def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
                            blobs={blob_ref("acme", b): b}) for i, b in enumerate(bodies)]
         rec.flush()
         assert {f.result(timeout=0).seq for f in futs} == {1}
-        # one syncfs for the 6 bodies and the segment, then the manifest: its temp
-        # file's fsync, the link, its directory's fsync
-        assert calls == ["syncfs", "fsync", "link", "fsync"]
+        log.flush()  # the promotion
+        # one syncfs for the pack of 6 bodies and the segment, then the manifest: its
+        # temp file's fsync, the link, its directory's fsync; then the promotion's
+        assert calls == ["syncfs", "fsync", "link", "fsync", "syncfs"]
+        assert sorted(log.storage.walk_files("_staging")) == []
+        assert len(list(log.storage.walk_files("blobs"))) == 6
 
         monkeypatch.setattr(_local, "_syncfs", None)  # as on a system without syncfs
         assert log.storage.durable_batch() is None
@@ -470,7 +488,9 @@ def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
         rec.flush()
         assert {f.result(timeout=0).seq for f in futs} == {2}
         assert calls.count("syncfs") == 0
-        assert calls.index("link") == 3 + 1 + 1  # 3 bodies, the segment, the manifest
+        assert calls.index("link") == 1 + 1 + 1  # the pack, the segment, the manifest
+        log.flush()
+        assert calls.count("fsync") == 1 + 1 + 2 + 3  # ... and the 3 bodies copied out
     again = pdm.open_log(str(tmp_path / "log"))
     assert [again.blobs.get(blob_ref("acme", b)) for b in bodies + more] == bodies + more
 
@@ -485,13 +505,12 @@ def test_defer_sync_comes_before_any_staged_file(tmp_path: Path) -> None:
     assert pdm.open_log(str(tmp_path / "log"), durable=False).storage.durable_batch() is None
 
 
-def test_a_window_of_more_bodies_than_writes_in_flight_commits_them_all(
-        tmp_path: Path) -> None:
-    """600 bodies in one window: more than the recorder's bodies per task times tasks in
-    flight (8 x 64), so staging waits for writes in flight midway."""
-    from poimen_data.log import _recorder
+def test_a_window_stages_its_bodies_as_pieces_of_one_pack(tmp_path: Path) -> None:
+    """600 bodies in one window: one staged file, each body a piece of it (at its offset,
+    in the order staged), readable from the pack before promotion and from blobs/
+    after it, with the pack gone."""
+    from poimen_data.log._staged import piece_of
 
-    assert 600 > _recorder.BODIES_PER_TASK * _recorder.BODIES_IN_FLIGHT
     log = pdm.open_log(str(tmp_path / "log"))
     bodies = [f"body {i} ".encode() * 3 for i in range(600)]
     refs = [blob_ref("acme", b) for b in bodies]
@@ -500,6 +519,55 @@ def test_a_window_of_more_bodies_than_writes_in_flight_commits_them_all(
                           for i, r in enumerate(refs)], blobs=dict(zip(refs, bodies, strict=True)))
         rec.flush()
         assert fut.result(timeout=0).seq == 1
+    m = log.read_manifest(1)
+    pieces = {b.sha256: piece_of(b.staged) for b in m.blobs if b.staged is not None}
+    assert len(pieces) == 600 and len({p.file for p in pieces.values() if p}) == 1
+    offsets = [0]
+    for b in bodies[:-1]:
+        offsets.append(offsets[-1] + len(b))
+    assert [(pieces[r.sha256].offset, pieces[r.sha256].size) for r in refs] == \
+        list(zip(offsets, [len(b) for b in bodies], strict=True))
+    log.flush()
+    assert list(log.storage.walk_files("_staging")) == []
     again = pdm.open_log(str(tmp_path / "log"))
     assert [again.blobs.get(r) for r in refs] == bodies
     assert again.read_manifest(1).n_events == 600
+
+
+def test_a_body_recorded_again_after_its_reduction_stays_in_its_pack_until_vacuum(
+        root: Root) -> None:
+    """A body committed again after a reduction stays in staging (promoting it could
+    race a reducer), here as a piece of its window's pack: the window's other body is
+    copied out, the pack is kept and serves the kept body, and vacuum promotes that body
+    and removes the pack; a later reduction removes every copy."""
+    from poimen_data.log._staged import piece_of
+
+    log = root.open()
+    x_body, y_body = b"body x " * 40, b"body y " * 40
+    x = log.blobs.put("acme", x_body)
+    pdm.reduce(log, [x], lambda b: b"x'")
+    assert log.blobs.get(x) is None
+    y = blob_ref("acme", y_body)
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        fut = rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=x),
+                          E.AttemptDispatched("acme", "r", 0, "s", 1, 2, prompt=y)],
+                         blobs={x: x_body, y: y_body})
+        rec.flush()
+    log.flush()
+    m = log.read_manifest(fut.result(timeout=0).seq)
+    pieces = {b.sha256: piece_of(b.staged or "") for b in m.blobs}
+    pack = pieces[x.sha256]
+    assert pack is not None and pieces[y.sha256] is not None
+    assert pieces[y.sha256].file == pack.file
+    assert log.storage.exists(pack.file)  # kept for x
+    assert not log.storage.exists(f"blobs/acme/{x.sha256[:2]}/{x.sha256}")
+    assert log.storage.exists(f"blobs/acme/{y.sha256[:2]}/{y.sha256}")  # copied out
+    assert (log.blobs.get(x), log.blobs.get(y)) == (x_body, y_body)
+
+    rep = pdm.vacuum(log, grace=0)
+    assert rep.staging_promoted == 1
+    assert list(log.storage.walk_files("_staging")) == []
+    fresh = root.open()
+    assert (fresh.blobs.get(x), fresh.blobs.get(y)) == (x_body, y_body)
+    assert pdm.reduce(fresh, [x], lambda b: b"x''").bytes_freed == x.size
+    assert not any(x.sha256 in f for f in fresh.storage.walk_files(""))

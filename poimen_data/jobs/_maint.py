@@ -37,8 +37,10 @@ from poimen_data.errors import (
 )
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
+from poimen_data.log._staged import piece_of
 from poimen_data.log._txn import now_iso
 from poimen_data.model import _events as ev
+from poimen_data.storage import Storage
 
 LEASE = "_lease.json"
 _logger = logging.getLogger("poimen_data")
@@ -355,20 +357,8 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
             held.check()  # cheap: reads the lease at most every TTL/10
             files = staged_files[txn]
             if txn in committed:
-                for b in committed[txn].blobs:
-                    if b.staged is None or not st.exists(b.staged):
-                        continue
-                    key = (b.tenant, b.sha256)
-                    if latest.get(key) != "reduce" and not st.exists(blob_path(*key)):
-                        try:
-                            st.copy(b.staged, blob_path(*key))
-                            promoted += 1
-                        except NotFound:  # the writer's own promotion moved it meanwhile
-                            if not st.exists(blob_path(*key)):
-                                raise
-                            continue
-                    nbytes += st.size(b.staged) or 0
-                    st.delete(b.staged)
+                n, size = _promote_kept(st, committed[txn], latest)
+                promoted, nbytes = promoted + n, nbytes + size
                 st.delete_tree(f"_staging/{txn}")
                 continue
             if files and not all(old(f, grace) for f in files):
@@ -413,6 +403,44 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         log.refresh()
     return VacuumReport(removed, promoted, segs, bodies, nbytes, young,
                         state_files_removed=state_removed, temp_files_removed=temps_removed)
+
+
+def _promote_kept(st: Storage, m: Manifest,
+                  latest: dict[tuple[str, str], str]) -> tuple[int, int]:
+    """Promote what a committed staging area still holds (bodies committed again after a
+    reduction, or a dead writer's) and remove it: (bodies promoted, bytes freed)."""
+    promoted = nbytes = 0
+    packs: dict[str, bytes | None] = {}
+    for b in m.blobs:
+        if b.staged is None:
+            continue
+        piece = piece_of(b.staged)
+        if piece is None:
+            if not st.exists(b.staged):
+                continue
+        elif piece.file not in packs:
+            packs[piece.file] = st.read_or_none(piece.file)
+        if piece is not None and packs[piece.file] is None:
+            continue
+        key = (b.tenant, b.sha256)
+        if latest.get(key) != "reduce" and not st.exists(blob_path(*key)):
+            try:
+                if piece is None:
+                    st.copy(b.staged, blob_path(*key))
+                else:  # written whole: renamed into place, or one PUT
+                    st.write(blob_path(*key), piece.of(packs[piece.file] or b""))
+                promoted += 1
+            except NotFound:  # the writer's own promotion moved it meanwhile
+                if not st.exists(blob_path(*key)):
+                    raise
+                continue
+        nbytes += b.size
+        if piece is None:
+            st.delete(b.staged)
+    for f, pack in packs.items():
+        if pack is not None:
+            st.delete(f)
+    return promoted, nbytes
 
 
 def _vacuum_state(log: EventLog, files: list[str], old_enough: Callable[[str], bool]) -> int:

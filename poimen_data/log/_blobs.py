@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from poimen_data.errors import CorruptionError, NotFound
 from poimen_data.log._manifest import blob_path
+from poimen_data.log._staged import read_staged, staged_file
 from poimen_data.model._events import BlobRef, check_ref
 
 if TYPE_CHECKING:
@@ -60,9 +61,9 @@ class FsBlobStore:
             else:
                 places = [home]
             for rel in places:
-                data = self._log.storage.read_or_none(rel)
+                data = read_staged(self._log.storage, rel)
                 if data is not None:
-                    return self._verified(ref, data, rel)
+                    return self._verified(ref, data, staged_file(rel))
         seq = self._log.lost_seq(key)
         if seq is not None or staged is not None:  # NotFound still: a reader's error only
             when = f" (seq {seq})" if seq is not None else ""

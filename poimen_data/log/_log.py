@@ -10,6 +10,7 @@ rolled forward by the next open. See README "Storage format" for the whole proto
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import logging
 import os
@@ -47,10 +48,17 @@ from poimen_data.log._manifest import (
     manifest_path,
 )
 from poimen_data.log._recorder import Recorder
+from poimen_data.log._staged import piece_of, staged_exists
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
 from poimen_data.model import conform_segment
-from poimen_data.storage import DEFAULT_RETRY_DEADLINE_S, PROMOTE_POOL, Storage, open_storage
+from poimen_data.storage import (
+    DEFAULT_RETRY_DEADLINE_S,
+    PIECE_POOL,
+    PROMOTE_POOL,
+    Storage,
+    open_storage,
+)
 
 DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
@@ -351,11 +359,12 @@ class EventLog:
             return False
         if staged is not None and key in self._state.recommitted:
             # vacuum may have promoted it (under the lease) since
-            return self.storage.exists(staged) or self.storage.exists(blob_path(*key))
+            return staged_exists(self.storage, staged) \
+                or self.storage.exists(blob_path(*key))
         if self.storage.exists(blob_path(*key)):
             return True
         # committed but not promoted yet (promotion runs in the background on S3)
-        return staged is not None and (self.storage.exists(staged)
+        return staged is not None and (staged_exists(self.storage, staged)
                                        or self.storage.exists(blob_path(*key)))
 
     # -- the commit protocol's interface (``LogInternals``) ------------------------
@@ -386,11 +395,13 @@ class EventLog:
             return key in self._state.recommitted
 
     def stored_copies(self, key: BlobKey) -> set[str]:
-        """Every path a committed body may be stored under (``blobs/`` and staging)."""
+        """Every file a committed body may be stored in alone (``blobs/`` and staging):
+        a piece of a pack goes with its pack (see ``_promote`` and ``vacuum``)."""
         with self._lock:
             st = self._state
             return {blob_path(*key)} | {
-                p for p in (st.pending.get(key), st.recommitted.get(key, (0, None))[1]) if p}
+                p for p in (st.pending.get(key), st.recommitted.get(key, (0, None))[1])
+                if p and piece_of(p) is None}
 
     def lost_bodies(self) -> dict[BlobKey, int]:
         """Committed bodies found missing (body -> seq of the commit that lost it), as
@@ -509,18 +520,36 @@ class EventLog:
         A body committed again after a reduction stays in staging, where ``get`` finds it
         through the manifest: promoting it could race the reducer's delete of the same
         name. ``vacuum`` promotes those under the maintenance lease.
+
+        A pack's pieces are copied out (each file written whole, then renamed or PUT);
+        once they are durable the pack is removed, unless it holds a body ever reduced
+        (vacuum's, then, as for the staging area ``keep_staging`` keeps).
         """
+        packs: dict[str, bytes | None] = {}
+        kept: set[str] = set()
+        pieces: list[tuple[str, bytes]] = []  # (blobs/ path, body) copied out of packs
         for b in m.blobs:
             if b.staged is None:
                 continue
             key = (b.tenant, b.sha256)
+            piece = piece_of(b.staged)
             with self._lock:
                 keep = key in self._state.reduced
             if keep:
+                if piece is not None:
+                    kept.add(piece.file)
                 continue
             dst = blob_path(b.tenant, b.sha256)
             try:
-                self.storage.move(b.staged, dst)
+                if piece is None:
+                    self.storage.move(b.staged, dst)
+                    continue
+                if piece.file not in packs:
+                    packs[piece.file] = self.storage.read_or_none(piece.file)
+                pack = packs[piece.file]
+                if pack is None:
+                    raise NotFound(f"no such file: {self.storage.url_of(piece.file)}")
+                pieces.append((dst, piece.of(pack)))
             except NotFound:
                 self.refresh()
                 if self._state.is_reduced(key):
@@ -533,6 +562,33 @@ class EventLog:
                                     self.storage.url_of(b.staged), m.seq)
                     with self._lock:
                         self._state.lost.setdefault(key, m.seq)
+        self._copy_out(pieces)
+        for f, pack in packs.items():
+            if pack is not None and f not in kept:
+                self.storage.delete(f)
+
+    def _copy_out(self, pieces: list[tuple[str, bytes]]) -> None:
+        """Write bodies copied out of a pack to ``blobs/``, durable before the pack goes:
+        on local disk without an fsync each, then one syncfs; on an object store one PUT
+        each, ``PIECE_POOL`` at a time (a window's 64 one after the other would promote
+        slower than windows commit)."""
+        batch = self.storage.durable_batch() if pieces and self.storage.durable else None
+        try:
+            durable = None if batch is None else False  # None: each write durable itself
+            if len(pieces) > 1 and self.storage.ambiguous_errors:
+                write = functools.partial(self.storage.write, durable=durable)
+                futures = [PIECE_POOL.submit(write, dst, data) for dst, data in pieces]
+                errors = [exc for f in futures if (exc := f.exception()) is not None]
+                if errors:
+                    raise errors[0]
+            else:
+                for dst, data in pieces:
+                    self.storage.write(dst, data, durable=durable)
+            if batch is not None:
+                batch.sync()
+        finally:
+            if batch is not None:
+                batch.close()
 
     def _after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
         """Promote a just-published commit's bodies on a background thread (renames on

@@ -24,16 +24,13 @@ from poimen_data.errors import PoimenError, ValidationError
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, ref_problem
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import events_to_table
-from poimen_data.storage._pools import RECORD_IO_POOL
 
 if TYPE_CHECKING:
     from poimen_data.log._log import EventLog
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
-BODIES_IN_FLIGHT = 64
 KNOWN_BODIES = 65_536
 SMALL_BODY = 64 << 10
-BODIES_PER_TASK = 8
 
 
 @atexit.register
@@ -72,6 +69,7 @@ class _Record:
     events: tuple[ev.Event, ...]
     bodies: dict[BlobKey, bytes]
     nbytes: int
+    refs: frozenset[ev.BlobRef]  # every ref its events point at (checked by _check)
     future: Future[CommitInfo] = field(default_factory=Future)
 
 
@@ -86,6 +84,7 @@ class _Window:
     events: list[ev.Event] = field(default_factory=list)
     stamps: list[datetime] = field(default_factory=list)
     keys: list[BlobKey] = field(default_factory=list)
+    refs: set[ev.BlobRef] = field(default_factory=set)  # every ref its events point at
     poisoned: bool = False  # building the transaction failed: commit record by record
 
 
@@ -99,22 +98,24 @@ class Recorder:
     ``max_delay_ms`` and the window before it has been taken by the committer (which may
     still be publishing it), or as soon as one more record would take it past
     ``max_events`` events or ``max_bytes`` of bodies (a record is never split: a bigger
-    one is a window of its own). While one window publishes, the next may wait closed and
-    a third gathers and writes its bodies, so a busy recorder makes bigger windows, and
-    producers of the next window do their Python work while the disk syncs.
+    one is a window of its own). While one window publishes, the next may wait closed
+    (its pack and segment being written) and a third gathers, so a busy recorder makes
+    bigger windows, and producers of the next window do their Python work while the disk
+    syncs.
 
-    On local disk a window's bodies are written by the I/O pool a few per task without an
-    fsync each, and the bodies and the segment are made durable by one ``syncfs`` just
-    before the publish (``Transaction.defer_sync``; an fsync per file where there is no
-    syncfs). What bounds it, measured on the 2 shared cores of this project's machines
-    (README "Performance"): CPU, not fsync. 64 producers and their records cost 300 to
-    380 us of CPU per record (450 to 800 before), of which the kernel takes about 40 %:
-    creating each body's file (one inode per body in a content-addressed store; ext4
-    without a journal spends 20 to 500 us per new inode there, scanning past inodes
-    freed in the last 30 s), thread switches and futex hand-offs of the GIL between 64
-    producers, the gatherer and the committer; the Python left is validation, the
-    Arrow conversion and futures (about 60 us). At 2 events per record that caps a busy
-    2-core machine at a few thousand events per second, short of 20,000 events/s.
+    A window stages its new bodies as one file, its pack (``log._staged``): one file
+    created and written (or one PUT) on the I/O pool when the window closes, beside its
+    segment; on local disk both are made durable by one ``syncfs`` just before the publish
+    (``Transaction.defer_sync``; an fsync each where there is no syncfs). Promotion copies
+    the pieces out to ``blobs/`` in the background. What bounds it, measured on the 2
+    shared cores of this project's machines (README "Performance"): CPU and the GIL, not
+    fsync. A record costs 280 to 330 us of CPU (550 when each body was a staged file of
+    its own), about half of it in the kernel: thread switches and futex hand-offs of the
+    GIL between 64 producers, the gatherer and the committer, and creating each body's
+    file in ``blobs/`` at promotion (one inode per body in a content-addressed store;
+    ext4 without a journal spends 20 to 500 us per new inode there, scanning past inodes
+    freed in the last 30 s). At 2 events per record that caps a busy 2-core machine at
+    several thousand events per second, short of 20,000 events/s.
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
@@ -187,7 +188,7 @@ class Recorder:
             if self._closed:
                 raise PoimenError("recorder is closed")
         try:
-            evs, bodies, nbytes = self._check(events, blobs)
+            evs, bodies, nbytes, refs = self._check(events, blobs)
         except ValidationError as exc:
             failed: Future[CommitInfo] = Future()
             failed.set_exception(exc)
@@ -195,7 +196,7 @@ class Recorder:
         with self._cond:
             if self._closed:
                 raise PoimenError("recorder is closed")
-            rec = _Record(self._next_no, evs, bodies, nbytes)
+            rec = _Record(self._next_no, evs, bodies, nbytes, refs)
             self._next_no += 1
             self._inbox.append(rec)
             self._cond.notify()
@@ -207,7 +208,8 @@ class Recorder:
         return await asyncio.wrap_future(self.record(events, blobs=blobs))
 
     def _check(self, events: Iterable[ev.Event], blobs: Mapping[ev.BlobRef, bytes] | None
-               ) -> tuple[tuple[ev.Event, ...], dict[BlobKey, bytes], int]:
+               ) -> tuple[tuple[ev.Event, ...], dict[BlobKey, bytes], int,
+                          frozenset[ev.BlobRef]]:
         """What a transaction would reject whole, checked for this record alone."""
         if isinstance(events, ev.Event):
             raise ValidationError("record: events must be a sequence of events, not one")
@@ -228,8 +230,10 @@ class Recorder:
                 raise ValidationError(f"record: body given for ref {ref.sha256[:12]}… does "
                                       "not match its sha256 and size")
             bodies[(ref.tenant, ref.sha256)] = data
+        refs = set()
         for i, e in enumerate(evs):
             for name, ref in ev.event_refs(e):
+                refs.add(ref)
                 body = bodies.get((ref.tenant, ref.sha256))
                 if body is not None and len(body) == ref.size:
                     continue
@@ -239,7 +243,7 @@ class Recorder:
                     f"event {i} ({e.kind}): field {name!r}: ref {ref.sha256[:12]}… of "
                     f"tenant {ref.tenant!r} has no committed body of that size (pass the "
                     "body in blobs=)")
-        return evs, bodies, sum(len(b) for b in bodies.values())
+        return evs, bodies, sum(len(b) for b in bodies.values()), frozenset(refs)
 
     # -- draining --------------------------------------------------------------------
 
@@ -280,11 +284,8 @@ class Recorder:
                     self._hand(_STOP)
                     return
             tx = self.log.transaction()
-            tx.io_pool, tx.max_io_in_flight = RECORD_IO_POOL, BODIES_IN_FLIGHT
-            if tx.defer_sync():
-                # page-cache writes, no fsync: a few per task, which is mostly creating the
-                # files (costly on a busy file system), beside the gatherer's Python work
-                tx.io_chunk = BODIES_PER_TASK
+            tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
+            tx.defer_sync()  # the pack and the segment made durable by one syncfs
             win = _Window(tx, time.monotonic())
             try:
                 self._fill(win)
@@ -334,11 +335,12 @@ class Recorder:
             return
         now = datetime.now(UTC)
         win.events += rec.events
+        win.refs.update(rec.refs)
         win.stamps += [now if e.ts is None else e.ts for e in rec.events]
         try:
             for key, data in rec.bodies.items():
-                # written in the background from now on; a body this recorder has not
-                # committed yet is staged without looking for a committed copy first
+                # a piece of the window's pack; a body this recorder has not committed
+                # yet is staged without looking for a committed copy first
                 win.tx.put_checked(key[0], key[1], data, reuse=key in self._known)
                 win.keys.append(key)
         except Exception:  # noqa: BLE001 - the commit then goes record by record
@@ -353,7 +355,7 @@ class Recorder:
         try:
             win.tx.start_writes()  # the last bodies, short of a full task
             if win.events:
-                win.tx.extend(events_to_table(win.events, win.stamps))
+                win.tx._extend_validated(events_to_table(win.events, win.stamps), win.refs)
         except Exception:  # noqa: BLE001 - the commit then goes record by record
             win.poisoned = True
 

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from poimen_data.errors import PoimenError, ValidationError
 from poimen_data.log._faults import crash_point, write_in_flight
 from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo, blob_path, staged_blob_path
+from poimen_data.log._staged import Piece, pack_path, staged_size
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import check_conformed, conform_table, events_to_table, table_refs
 from poimen_data.storage import CHECK_POOL, IO_POOL, BackgroundPool, DurableBatch
@@ -78,7 +79,7 @@ def _committed_size(log: LogInternals, key: BlobKey) -> int | None:
     size = log.storage.size(home)
     if size is None:
         _reduced, staged = log.blob_location(key)
-        size = log.storage.size(staged) if staged else None
+        size = staged_size(log.storage, staged) if staged else None
         if size is None:
             size = log.storage.size(home)
     return size
@@ -93,6 +94,9 @@ class Transaction:
     io_pool: BackgroundPool | None = IO_POOL
     max_io_in_flight: int = MAX_IO_IN_FLIGHT
     io_chunk: int = 1  # bodies per pool task: small page-cache writes go in batches
+    # Stage the bodies put before ``start_writes`` as one file, the pack (see ``_staged``):
+    # the recorder's windows of many small bodies.
+    pack_bodies: bool = False
 
     def __init__(self, log: LogInternals) -> None:
         self.log = log
@@ -112,6 +116,9 @@ class Transaction:
         self._io: list[Future[Any]] = []  # staged bodies and segment being written
         self._io_bytes = 0
         self._queued: list[tuple[str, bytes]] = []  # bodies waiting to fill an io_chunk
+        self._pack: list[bytes] = []  # bodies of the pack, in order (see pack_bodies)
+        self._pack_size = 0
+        self._pack_written = False
         self._spec: tuple[pa.Table, Future[SegmentInfo]] | None = None  # see extend
         self._batch: DurableBatch | None = None  # see defer_sync
         self.commit_info: CommitInfo | None = None
@@ -172,6 +179,12 @@ class Transaction:
         return ref
 
     def _stage(self, key: BlobKey, data: bytes, *, wait: bool = True) -> None:
+        if self.pack_bodies and not wait and not self._pack_written:
+            piece = Piece(pack_path(self.txn), self._pack_size, len(data))
+            self._staged[key] = BlobEntry(key[0], key[1], len(data), piece.location)
+            self._pack.append(data)
+            self._pack_size += len(data)
+            return
         path = staged_blob_path(self.txn, *key)
         self._staged[key] = BlobEntry(key[0], key[1], len(data), path)
         if wait or not self.log.storage.background_io or self.io_pool is None:
@@ -183,8 +196,16 @@ class Transaction:
                 self.start_writes()
 
     def start_writes(self) -> None:
-        """Hand the bodies still queued for a full ``io_chunk`` to the I/O pool now
-        (``commit`` does it too)."""
+        """Hand the bodies still queued for a full ``io_chunk`` to the I/O pool now, and
+        the pack, which takes no more bodies after this (``commit`` does it too)."""
+        if self._pack and not self._pack_written:
+            self._pack_written = True
+            pack, self._pack = b"".join(self._pack), []
+            if self.log.storage.background_io and self.io_pool is not None:
+                self._io.append(self.io_pool.submit(self._write_new, pack_path(self.txn),
+                                                    pack, "blob_staged"))
+            else:
+                self._write_new(pack_path(self.txn), pack, "blob_staged")
         if not self._queued:
             return
         queued, self._queued = self._queued, []
@@ -242,14 +263,7 @@ class Transaction:
             except ValidationError as exc:
                 self._failed = exc
                 raise
-            if not self._tables and not self._events and t.num_rows \
-                    and self.log.storage.background_io:
-                # Speculation: the first table is usually the whole commit, so its segment
-                # is written while it is checked; commit discards it if more events came.
-                self._segment_written = True
-                future = IO_POOL.submit(self._write_segment, t)
-                self._io.append(future)
-                self._spec = (t, future)
+            self._speculate(t)  # written while it is checked
             if t.num_rows >= BACKGROUND_CHECK_ROWS:
                 self._checks.append(CHECK_POOL.submit(check_conformed, t, where))
             else:
@@ -266,6 +280,29 @@ class Transaction:
             return
         for e in events:
             self.append(e)
+
+    def _extend_validated(self, table: pa.Table, refs: Iterable[ev.BlobRef]) -> None:
+        """Append a table that ``events_to_table`` made of events ``validate_event``
+        passed (a recorder's window), with every ref those events point at: nothing is
+        checked again (as events given one by one are converted at commit unchecked),
+        and commit checks ``refs`` instead of searching the table for them. Its segment
+        is written in the background at once when it is the whole commit so far."""
+        self._check_open()
+        self._speculate(table)
+        self._seen_refs.update(refs)
+        self._flush_objects()
+        self._tables.append(table)
+        self._n_table_rows += table.num_rows
+
+    def _speculate(self, table: pa.Table) -> None:
+        """The first table is usually the whole commit: start writing its segment now, in
+        the background (``_segment_for`` discards it if more events come)."""
+        if table.num_rows and not self._tables and not self._events \
+                and self.log.storage.background_io:
+            self._segment_written = True
+            future = IO_POOL.submit(self._write_segment, table)
+            self._io.append(future)
+            self._spec = (table, future)
 
     def _flush_objects(self) -> None:
         if self._events:

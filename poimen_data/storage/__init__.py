@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from poimen_data.storage._base import PARALLEL_HASH_BYTES, DurableBatch, Storage
 from poimen_data.storage._open import open_storage
-from poimen_data.storage._pools import CHECK_POOL, HASH_POOL, IO_POOL, PROMOTE_POOL, BackgroundPool
+from poimen_data.storage._pools import (
+    CHECK_POOL,
+    HASH_POOL,
+    IO_POOL,
+    PIECE_POOL,
+    PROMOTE_POOL,
+    BackgroundPool,
+)
 from poimen_data.storage._retry import DEFAULT_RETRY_DEADLINE_S, RetryPolicy
 from poimen_data.storage._writer import AtomicWriter, HashingSink
 
@@ -16,6 +23,7 @@ __all__ = [
     "HASH_POOL",
     "IO_POOL",
     "PARALLEL_HASH_BYTES",
+    "PIECE_POOL",
     "PROMOTE_POOL",
     "AtomicWriter",
     "BackgroundPool",

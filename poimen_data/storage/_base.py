@@ -130,6 +130,21 @@ class Storage(ABC):
         except NotFound:
             return None
 
+    def read_range(self, rel: str, offset: int, size: int) -> bytes | None:
+        """``size`` bytes of a file from ``offset``, or None when the file is gone."""
+        self.calls["read"] += 1
+        try:
+            return self._retrying(f"read {rel}",
+                                  lambda: self._read_range(self.full(rel), offset, size))
+        except FileNotFoundError:
+            return None
+
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        if size == 0:
+            self._size(path)  # there, or FileNotFoundError
+            return b""
+        return bytes(self.fs.cat_file(path, start=offset, end=offset + size))
+
     def exists(self, rel: str) -> bool:
         self.calls["exists"] += 1
         return bool(self._retrying(f"exists {rel}", lambda: self.fs.exists(self.full(rel))))

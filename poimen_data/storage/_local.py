@@ -49,6 +49,10 @@ class LocalStorage(Storage):
         with open(path, "rb") as f:
             return f.read()
 
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        with open(path, "rb") as f:
+            return os.pread(f.fileno(), size, offset)
+
     def exists(self, rel: str) -> bool:
         self.calls["exists"] += 1
         return os.path.exists(self.full(rel))

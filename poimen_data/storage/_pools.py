@@ -50,7 +50,6 @@ PROMOTE_POOL = BackgroundPool("poimen-promote", 1)
 CHECK_POOL = BackgroundPool("poimen-check", 2)
 # Hashing beside a streamed write: one thread, so one writer's buffers hash in order.
 HASH_POOL = BackgroundPool("poimen-hash", 1)
-# A recorder window's bodies (``log.recorder``), a few files per task: on a file system
-# without syncfs each is fsynced as it is written, and concurrent fsyncs share the journal
-# commits (64 bodies of 4 KB: about 100 ms on 4 threads, 40 ms on 16, measured here).
-RECORD_IO_POOL = BackgroundPool("poimen-record-io", 16)
+# Bodies copied out of a recorder window's pack at its promotion, on an object store: one
+# PUT each, this many at a time (the promotions themselves stay one at a time, in order).
+PIECE_POOL = BackgroundPool("poimen-piece", 16)

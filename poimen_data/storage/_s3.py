@@ -103,6 +103,12 @@ class S3Storage(Storage):
     def _read(self, path: str) -> bytes:
         return bytes(self._call("get_object", path))
 
+    def _read_range(self, path: str, offset: int, size: int) -> bytes:
+        if size == 0:
+            return super()._read_range(path, offset, size)
+        return bytes(self._call("get_object", path,
+                                Range=f"bytes={offset}-{offset + size - 1}"))
+
     def exists(self, rel: str) -> bool:
         return self.size(rel) is not None
 

@@ -1,0 +1,73 @@
+"""Where a committed but unpromoted body lies: its own file in its commit's staging area,
+or a piece of that commit's pack.
+
+A recorder window stages all its new bodies as one file, ``_staging/<txn>/bodies.pack``
+(the bodies one after the other): one file to create, write and sync (or one PUT) where a
+window of 64 records would otherwise make 64. Its manifest names each body's piece as a
+*packed location*, ``<pack path>#<offset>:<size>``; any other staged body's location is
+the path of its own file. Promotion copies each piece to ``blobs/`` and then removes the
+pack (docs/DESIGN.md, "Bodies"), so a pack lives from its window's commit to the end of
+that commit's promotion, as any staging area does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poimen_data.storage import Storage
+
+PACK_NAME = "bodies.pack"
+
+
+def pack_path(txn: str) -> str:
+    return f"_staging/{txn}/{PACK_NAME}"
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A body's bytes inside a pack."""
+
+    file: str
+    offset: int
+    size: int
+
+    @property
+    def location(self) -> str:
+        return f"{self.file}#{self.offset}:{self.size}"
+
+    def of(self, pack: bytes) -> bytes:
+        return pack[self.offset:self.offset + self.size]
+
+
+def piece_of(staged: str) -> Piece | None:
+    """The piece a packed location names; None for a body in a file of its own."""
+    file, sep, where = staged.partition("#")
+    if not sep:
+        return None
+    offset, _, size = where.partition(":")
+    return Piece(file, int(offset), int(size))
+
+
+def staged_file(staged: str) -> str:
+    """The file holding a staged body: its own, or its pack."""
+    return staged.partition("#")[0]
+
+
+def read_staged(storage: Storage, staged: str) -> bytes | None:
+    """A staged body's bytes, or None when its file is gone (promoted or removed)."""
+    piece = piece_of(staged)
+    if piece is None:
+        return storage.read_or_none(staged)
+    return storage.read_range(piece.file, piece.offset, piece.size)
+
+
+def staged_size(storage: Storage, staged: str) -> int | None:
+    """A staged body's size, or None when its file is gone."""
+    piece = piece_of(staged)
+    if piece is None:
+        return storage.size(staged)
+    return piece.size if storage.exists(piece.file) else None
+
+
+def staged_exists(storage: Storage, staged: str) -> bool:
+    return storage.exists(staged_file(staged))
