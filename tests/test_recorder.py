@@ -434,19 +434,18 @@ def test_a_ref_to_a_committed_body_is_checked_without_reading_it(root: Root) -> 
         bad.result(timeout=0)
 
 
-def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On Linux a window's pack of bodies and its segment are written without an fsync
-    each and made durable together by one syncfs, before the manifest's link; promotion
-    then copies the bodies out of the pack and makes them durable by one more syncfs
-    before it removes the pack. Elsewhere (no syncfs) each file is fsynced as it is
-    written. The real calls run: they are only counted."""
+def _durability_calls(monkeypatch: pytest.MonkeyPatch, *,
+                      fsync_and_link: bool = False) -> list[str]:
+    """The names of the durability calls made from now on, in order: ``syncfs``, the
+    unlink of a pack, and with ``fsync_and_link`` each ``fsync`` and ``link``. The real
+    calls run: they are only counted. Skips where there is no syncfs (Linux only)."""
     from poimen_data.storage import _local
 
     if _local._syncfs is None:
         pytest.skip("syncfs(2) is Linux only")
     calls: list[str] = []
     real_fsync, real_link, real_syncfs = os.fsync, os.link, _local._syncfs
+    real_unlink = os.unlink
 
     def fsync(fd: int) -> None:
         calls.append("fsync")
@@ -460,10 +459,30 @@ def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
         calls.append("syncfs")
         return real_syncfs(fd)
 
-    log = pdm.open_log(str(tmp_path / "log"))
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "link", link)
+    def unlink(path: Any, *a: Any, **kw: Any) -> None:
+        if str(path).endswith("bodies.pack"):
+            calls.append("unlink pack")
+        real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", unlink)
     monkeypatch.setattr(_local, "_syncfs", syncfs)
+    if fsync_and_link:
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "link", link)
+    return calls
+
+
+def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Linux a window's pack of bodies and its segment are written without an fsync
+    each and made durable together by one syncfs, before the manifest's link; promotion
+    then copies the bodies out of the pack and makes them durable by one more syncfs
+    before it removes the pack. Elsewhere (no syncfs) each file is fsynced as it is
+    written. The real calls run: they are only counted."""
+    from poimen_data.storage import _local
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    calls = _durability_calls(monkeypatch, fsync_and_link=True)
     bodies = [f"body {i}".encode() * 100 for i in range(6)]
     with log.recorder(max_delay_ms=NEVER) as rec:
         futs = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1,
@@ -473,8 +492,9 @@ def test_a_window_is_made_durable_by_one_syncfs_before_its_manifest(
         assert {f.result(timeout=0).seq for f in futs} == {1}
         log.flush()  # the promotion
         # one syncfs for the pack of 6 bodies and the segment, then the manifest: its
-        # temp file's fsync, the link, its directory's fsync; then the promotion's
-        assert calls == ["syncfs", "fsync", "link", "fsync", "syncfs"]
+        # temp file's fsync, the link, its directory's fsync; then the promotion's, and
+        # only then is the pack removed
+        assert calls == ["syncfs", "fsync", "link", "fsync", "syncfs", "unlink pack"]
         assert sorted(log.storage.walk_files("_staging")) == []
         assert len(list(log.storage.walk_files("blobs"))) == 6
 
@@ -507,8 +527,8 @@ def test_defer_sync_comes_before_any_staged_file(tmp_path: Path) -> None:
 
 def test_a_window_stages_its_bodies_as_pieces_of_one_pack(tmp_path: Path) -> None:
     """600 bodies in one window: one staged file, each body a piece of it (at its offset,
-    in the order staged), readable from the pack before promotion and from blobs/
-    after it, with the pack gone."""
+    in the order staged), readable from blobs/ after promotion, with the pack gone (the
+    crash test reads bodies from a pack that was never promoted)."""
     from poimen_data.log._staged import piece_of
 
     log = pdm.open_log(str(tmp_path / "log"))
@@ -571,3 +591,87 @@ def test_a_body_recorded_again_after_its_reduction_stays_in_its_pack_until_vacuu
     assert (fresh.blobs.get(x), fresh.blobs.get(y)) == (x_body, y_body)
     assert pdm.reduce(fresh, [x], lambda b: b"x''").bytes_freed == x.size
     assert not any(x.sha256 in f for f in fresh.storage.walk_files(""))
+
+
+def test_reducing_a_body_still_in_its_pack_promotes_the_others_and_removes_the_pack(
+        tmp_path: Path) -> None:
+    """A body reduced while its window's pack still waits for promotion (the promotion
+    thread is held): reduce copies the pack's other body out, removes the pack and counts
+    the reduced piece as freed; the writer's own promotion, let go afterwards, finds the
+    pack gone and loses nothing."""
+    import threading
+
+    from poimen_data.storage import PROMOTE_POOL
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    x_body, y_body = b"prompt x " * 50, b"prompt y " * 50
+    x, y = blob_ref("acme", x_body), blob_ref("acme", y_body)
+    gate = threading.Event()
+    held = PROMOTE_POOL.submit(gate.wait)  # the one promotion thread waits here
+    try:
+        with log.recorder(max_delay_ms=NEVER) as rec:
+            fut = rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=x),
+                              E.AttemptDispatched("acme", "r", 0, "s", 1, 2, prompt=y)],
+                             blobs={x: x_body, y: y_body})
+            rec.flush()
+        pack = f"_staging/{log.read_manifest(fut.result(timeout=0).seq).txn}/bodies.pack"
+        assert log.storage.exists(pack)
+        assert list(log.storage.walk_files("blobs")) == []  # not promoted yet
+        rep = pdm.reduce(log, [x], lambda b: b"x summary")
+        assert rep.bytes_freed == x.size
+        assert not log.storage.exists(pack)
+        assert log.blobs.get(y) == y_body  # copied out to blobs/ by the reduction
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    log.flush()  # the writer's promotion: the pack is gone, y is in blobs/ already
+    assert log.lost_bodies() == {}
+    fresh = pdm.open_log(str(tmp_path / "log"))
+    assert (fresh.blobs.get(x), fresh.blobs.get(y)) == (None, y_body)
+    assert not any(x.sha256 in f for f in fresh.storage.walk_files(""))
+
+
+def test_a_pack_takes_small_bodies_up_to_its_cap_and_bigger_ones_stage_alone(
+        tmp_path: Path) -> None:
+    """Promotion and vacuum read a pack whole, so it holds bodies of at most 64 KiB and
+    at most 8 MiB of them; a bigger body, or one past the cap, is a file of its own."""
+    from poimen_data.log._staged import piece_of
+    from poimen_data.log._txn import PACK_MAX, PACK_PIECE_MAX
+
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    big = os.urandom(PACK_PIECE_MAX + 1)
+    small = [os.urandom(PACK_PIECE_MAX) for _ in range(PACK_MAX // PACK_PIECE_MAX + 2)]
+    bodies = [big, *small]
+    refs = [blob_ref("acme", b) for b in bodies]
+    with log.recorder(max_delay_ms=NEVER, max_bytes=64 << 20) as rec:
+        fut = rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, i + 1, prompt=r)
+                          for i, r in enumerate(refs)],
+                         blobs=dict(zip(refs, bodies, strict=True)))
+        rec.flush()
+    m = log.read_manifest(fut.result(timeout=0).seq)
+    where = {b.sha256: b.staged for b in m.blobs}
+    packed = [r for r in refs if piece_of(where[r.sha256] or "") is not None]
+    assert refs[0] not in packed  # the big one
+    assert packed == refs[1:1 + PACK_MAX // PACK_PIECE_MAX]  # small ones, up to the cap
+    log.flush()
+    assert [pdm.open_log(str(tmp_path / "log")).blobs.get(r) for r in refs] == bodies
+
+
+def test_vacuum_makes_copies_durable_before_it_removes_a_pack(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Vacuum may find a pack's bodies already in blobs/, copied there by their writer
+    but not yet synced: it syncs the file system before it unlinks the pack."""
+    log = pdm.open_log(str(tmp_path / "log"))
+    x_body, y_body = b"body x " * 40, b"body y " * 40
+    x = log.blobs.put("acme", x_body)
+    pdm.reduce(log, [x], lambda b: b"x'")
+    y = blob_ref("acme", y_body)
+    with log.recorder(max_delay_ms=NEVER) as rec:  # x recommitted: its pack is kept
+        rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=x),
+                    E.AttemptDispatched("acme", "r", 0, "s", 1, 2, prompt=y)],
+                   blobs={x: x_body, y: y_body})
+    log.flush()
+    calls = _durability_calls(monkeypatch)
+    assert pdm.vacuum(log, grace=0).staging_promoted == 1
+    assert "unlink pack" in calls
+    assert "syncfs" in calls[:calls.index("unlink pack")]

@@ -224,8 +224,10 @@ def reduce(
     storage_options: dict[str, Any] | None = None,
 ) -> ReduceReport:
     """Replace bodies by summaries: one commit of ``blob_reduced`` events (with the
-    summaries as blobs), then delete the originals. ``get`` of an original returns None
-    from then on."""
+    summaries as blobs), then delete the originals (an original that is a piece of a
+    recorder window's pack goes with the pack, once the pack's other bodies are promoted;
+    a pack that also holds a recommitted body waits for vacuum). ``get`` of an original
+    returns None from then on."""
     log = as_log(log, storage_options=storage_options)
     refs = list(dict.fromkeys(refs))
     for r in refs:
@@ -235,6 +237,7 @@ def reduce(
         done: list[tuple[ev.BlobRef, ev.BlobRef]] = []
         skipped: list[ev.BlobRef] = []
         copies: dict[tuple[str, str], set[str]] = {}
+        packs: dict[str, tuple[Manifest, list[int]]] = {}  # pack -> (its commit, sizes)
         with log.transaction() as tx:
             for r in refs:
                 held.check()
@@ -245,6 +248,7 @@ def reduce(
                 key = (r.tenant, r.sha256)
                 # every stored copy, before the reduction forgets them
                 copies[key] = log.stored_copies(key)
+                _note_pack(log, key, packs)
                 out = summarize(body)
                 if not isinstance(out, bytes | str):
                     raise ValidationError(f"reduce: summarize must return bytes or str, got "
@@ -264,6 +268,14 @@ def reduce(
                 size = log.storage.size(p)
                 if size is not None and log.storage.delete(p, check=False):
                     freed += size
+        for pack, (m, sizes) in sorted(packs.items()):
+            held.check()
+            # an original that is a piece of a pack goes with the pack: its other bodies
+            # are promoted first (a body recommitted there keeps the pack for vacuum)
+            if log.storage.exists(pack):
+                log.promote(m)
+                if not log.storage.exists(pack):
+                    freed += sum(sizes)
     info = tx.commit_info
     return ReduceReport(tuple(done), tuple(skipped), freed,
                         info.last_lsn if info and info.seq and done else None)
@@ -405,6 +417,18 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
                         state_files_removed=state_removed, temp_files_removed=temps_removed)
 
 
+def _note_pack(log: EventLog, key: tuple[str, str],
+               packs: dict[str, tuple[Manifest, list[int]]]) -> None:
+    """Remember the pack holding ``key``'s body, when a pack does, with its commit."""
+    _reduced, staged = log.blob_location(key)
+    piece = piece_of(staged) if staged else None
+    if piece is None:
+        return
+    m = log.staged_commit(key)
+    if m is not None:
+        packs.setdefault(piece.file, (m, []))[1].append(piece.size)
+
+
 def _promote_kept(st: Storage, m: Manifest,
                   latest: dict[tuple[str, str], str]) -> tuple[int, int]:
     """Promote what a committed staging area still holds (bodies committed again after a
@@ -437,10 +461,23 @@ def _promote_kept(st: Storage, m: Manifest,
         nbytes += b.size
         if piece is None:
             st.delete(b.staged)
+    if any(pack is not None for pack in packs.values()):
+        _sync_all(st)  # a writer's own copies out of these packs may not be durable yet
     for f, pack in packs.items():
         if pack is not None:
             st.delete(f)
     return promoted, nbytes
+
+
+def _sync_all(st: Storage) -> None:
+    """Make what was written on this storage so far durable (one syncfs on local disk;
+    S3 and memory write durably as they go)."""
+    batch = st.durable_batch() if st.durable else None
+    if batch is not None:
+        try:
+            batch.sync()
+        finally:
+            batch.close()
 
 
 def _vacuum_state(log: EventLog, files: list[str], old_enough: Callable[[str], bool]) -> int:

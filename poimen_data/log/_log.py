@@ -48,7 +48,7 @@ from poimen_data.log._manifest import (
     manifest_path,
 )
 from poimen_data.log._recorder import Recorder
-from poimen_data.log._staged import piece_of, staged_exists
+from poimen_data.log._staged import piece_of, staged_exists, staged_file
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
 from poimen_data.model import conform_segment
@@ -421,6 +421,25 @@ class EventLog:
         """Publish ``make(seq, first_lsn)`` at the next free seq (see ``_publish``)."""
         return self._publish(make, txn)
 
+    def promote(self, m: Manifest) -> None:
+        """Promote a committed manifest's staged bodies now (see ``_promote``)."""
+        self._promote(m)
+
+    def staged_commit(self, key: BlobKey) -> Manifest | None:
+        """The commit whose staging area holds ``key``'s body now, if one does."""
+        with self._lock:
+            st = self._state
+            if key in st.recommitted:
+                seq = st.recommitted[key][0]
+            else:
+                staged = st.pending.get(key)
+                if staged is None:
+                    return None
+                txn = staged.split("/")[1]
+                return next((m for m in st.manifests_since_checkpoint if m.txn == txn),
+                            None)
+        return self.read_manifest(seq)
+
     def after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
         """Promote a just-published commit's bodies (see ``_after_publish``)."""
         self._after_publish(m, keep_staging=keep_staging)
@@ -535,9 +554,10 @@ class EventLog:
             piece = piece_of(b.staged)
             with self._lock:
                 keep = key in self._state.reduced
+                here = self._state.recommitted.get(key, (0, None))[1] == b.staged
             if keep:
-                if piece is not None:
-                    kept.add(piece.file)
+                if piece is not None and here:
+                    kept.add(piece.file)  # its body lives here now: vacuum's to move
                 continue
             dst = blob_path(b.tenant, b.sha256)
             try:
@@ -559,10 +579,19 @@ class EventLog:
                     # live writer): an error for its readers only, never for the log
                     _logger.warning("%s: committed body (seq %d) missing from staging and "
                                     "from blobs/; reading it will fail",
-                                    self.storage.url_of(b.staged), m.seq)
+                                    self.storage.url_of(staged_file(b.staged)), m.seq)
                     with self._lock:
                         self._state.lost.setdefault(key, m.seq)
         self._copy_out(pieces)
+        if pieces:
+            # A reducer that removed a body while we held its pack's bytes may have looked
+            # before our copy landed: a body reduced by now is removed again here.
+            self.refresh()
+            with self._lock:
+                gone = [dst for dst, _data in pieces
+                        if self._state.is_reduced(_key_of(dst))]
+            for dst in gone:
+                self.storage.delete(dst)
         for f, pack in packs.items():
             if pack is not None and f not in kept:
                 self.storage.delete(f)
@@ -878,6 +907,12 @@ class EventLog:
         commit per window (README "Recording from many producers (group commit)")."""
         return Recorder(self, max_delay_ms=max_delay_ms, max_events=max_events,
                         max_bytes=max_bytes)
+
+
+def _key_of(blob: str) -> BlobKey:
+    """(tenant, sha256) of a path in ``blobs/``."""
+    parts = blob.split("/")
+    return parts[1], parts[3]
 
 
 def _lost_race_pause(attempt: int, *, remote: bool) -> None:

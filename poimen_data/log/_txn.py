@@ -38,6 +38,11 @@ BACKGROUND_CHECK_ROWS = 50_000
 # per transaction: memory stays bounded and one busy writer does not starve the others
 MAX_IO_IN_FLIGHT = 8
 MAX_IO_BYTES_IN_FLIGHT = 32 << 20
+# A pack (``pack_bodies``) takes bodies up to PACK_PIECE_MAX bytes until it holds PACK_MAX:
+# promotion and vacuum read a pack whole, so it stays small; bigger bodies, and those past
+# the cap, are staged as files of their own.
+PACK_PIECE_MAX = 64 << 10
+PACK_MAX = 8 << 20
 
 
 def _utcnow() -> datetime:
@@ -179,7 +184,8 @@ class Transaction:
         return ref
 
     def _stage(self, key: BlobKey, data: bytes, *, wait: bool = True) -> None:
-        if self.pack_bodies and not wait and not self._pack_written:
+        if self.pack_bodies and not wait and not self._pack_written \
+                and len(data) <= PACK_PIECE_MAX and self._pack_size + len(data) <= PACK_MAX:
             piece = Piece(pack_path(self.txn), self._pack_size, len(data))
             self._staged[key] = BlobEntry(key[0], key[1], len(data), piece.location)
             self._pack.append(data)
