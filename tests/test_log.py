@@ -216,9 +216,16 @@ def test_table_then_more_events_replaces_the_speculative_segment(root: Root) -> 
     assert [p for p in snapshot_files(log) if p.startswith("segments/")] == segments
 
 
-def test_ref_to_uncommitted_body_is_rejected(root: Root) -> None:
+@pytest.mark.parametrize("kind", ["BlobRef", "subclass"])
+def test_ref_to_uncommitted_body_is_rejected(root: Root, kind: str) -> None:
+    """Also through a subclass of BlobRef: it is a ref like any other (it once slipped past
+    the commit's ref check, which looked at exact BlobRefs only)."""
+    class SubRef(pdm.BlobRef):
+        pass
+
     log = root.open()
-    ghost = pdm.BlobRef("acme", hashlib.sha256(b"never stored").hexdigest(), 12)
+    make = pdm.BlobRef if kind == "BlobRef" else SubRef
+    ghost = make("acme", hashlib.sha256(b"never stored").hexdigest(), 12)
     with pytest.raises(pdm.ValidationError, match="no committed body"):
         with log.transaction() as tx:
             tx.append(E.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=ghost))

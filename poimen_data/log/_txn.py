@@ -343,7 +343,7 @@ class Transaction:
     def _check_refs(self) -> None:
         """Every ref must be a body of this transaction or a committed, unreduced one."""
         mine = set(self._staged) | set(self._reused)
-        refs = {r for r in self._seen_refs if type(r) is ev.BlobRef}
+        refs = {r for r in self._seen_refs if isinstance(r, ev.BlobRef)}  # subclasses too
         for t in self._bulk:
             refs |= table_refs(t)
         for ref in refs:
