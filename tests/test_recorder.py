@@ -675,3 +675,32 @@ def test_vacuum_makes_copies_durable_before_it_removes_a_pack(
     assert pdm.vacuum(log, grace=0).staging_promoted == 1
     assert "unlink pack" in calls
     assert "syncfs" in calls[:calls.index("unlink pack")]
+
+
+def test_a_window_resolves_before_its_commit_checkpoints(tmp_path: Path) -> None:
+    """The commit at a checkpoint seq waits for every promotion of the process before it
+    writes the checkpoint; a window's producers do not wait with it: their futures resolve
+    at the publish (here the promotion thread is held, so the checkpoint cannot finish)."""
+    import threading
+
+    from poimen_data.log._manifest import checkpoint_path
+    from poimen_data.storage import PROMOTE_POOL
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    bodies = [b"first prompt " * 30, b"second prompt " * 30]
+    refs = [blob_ref("acme", b) for b in bodies]
+    gate = threading.Event()
+    held = PROMOTE_POOL.submit(gate.wait)
+    rec = log.recorder(max_delay_ms=0)
+    try:
+        infos = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1, prompt=r)],
+                            blobs={r: b}).result(timeout=30)
+                 for i, (r, b) in enumerate(zip(refs, bodies, strict=True))]
+        assert [i.seq for i in infos] == [1, 2]
+        assert not log.storage.exists(checkpoint_path(2))  # still waiting for promotions
+    finally:
+        gate.set()
+        held.result(timeout=60)
+        rec.close()
+    assert log.storage.exists(checkpoint_path(2))
+    assert [pdm.open_log(str(tmp_path / "log")).blobs.get(r) for r in refs] == bodies

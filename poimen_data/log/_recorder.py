@@ -285,6 +285,7 @@ class Recorder:
                     return
             tx = self.log.transaction()
             tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
+            tx.defer_checkpoint = True  # after the futures resolve (see _commit)
             tx.defer_sync()  # the pack and the segment made durable by one syncfs
             win = _Window(tx, time.monotonic())
             try:
@@ -415,6 +416,8 @@ class Recorder:
             n = len(rec.events)
             rec.future.set_result(CommitInfo(info.seq, lsn, lsn + n - 1))
             lsn += n
+        if info.seq is not None:
+            win.tx.checkpoint()  # durable since the publish: producers go on meanwhile
 
     def _one_by_one(self, records: list[_Record]) -> None:
         """Commit each record in its own transaction: a bad one fails alone."""

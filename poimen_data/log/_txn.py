@@ -102,6 +102,7 @@ class Transaction:
     # Stage the bodies put before ``start_writes`` as one file, the pack (see ``_staged``):
     # the recorder's windows of many small bodies.
     pack_bodies: bool = False
+    defer_checkpoint: bool = False  # the caller checkpoints after the commit (``checkpoint``)
 
     def __init__(self, log: LogInternals) -> None:
         self.log = log
@@ -391,11 +392,22 @@ class Transaction:
         crash_point("manifest_published")
         try:  # the commit has landed: what follows is housekeeping a later open redoes
             self.log.after_publish(m, keep_staging=self._has_kept_staging(m))
-            self.log.maybe_checkpoint(m.seq)
         except Exception as exc:  # noqa: BLE001
-            _logger.warning("commit seq %d landed; promotion or checkpoint deferred: %s",
-                            m.seq, exc)
+            _logger.warning("commit seq %d landed; promotion deferred: %s", m.seq, exc)
+        if not self.defer_checkpoint:
+            self.checkpoint()
         return self.commit_info
+
+    def checkpoint(self) -> None:
+        """Checkpoint the log if this commit's seq is a multiple of the interval (``commit``
+        does it, unless ``defer_checkpoint``: the recorder resolves its window's futures
+        first, since a checkpoint waits for every promotion of this process)."""
+        assert self.commit_info is not None and self.commit_info.seq is not None
+        try:
+            self.log.maybe_checkpoint(self.commit_info.seq)
+        except Exception as exc:  # noqa: BLE001 - housekeeping a later commit redoes
+            _logger.warning("commit seq %d landed; checkpoint deferred: %s",
+                            self.commit_info.seq, exc)
 
     def _close_batch(self) -> None:
         batch, self._batch = self._batch, None
