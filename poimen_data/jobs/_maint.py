@@ -37,7 +37,7 @@ from poimen_data.errors import (
 )
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
-from poimen_data.log._staged import piece_of
+from poimen_data.log._staged import Packs, piece_of
 from poimen_data.log._txn import now_iso
 from poimen_data.model import _events as ev
 from poimen_data.storage import Storage
@@ -434,25 +434,21 @@ def _promote_kept(st: Storage, m: Manifest,
     """Promote what a committed staging area still holds (bodies committed again after a
     reduction, or a dead writer's) and remove it: (bodies promoted, bytes freed)."""
     promoted = nbytes = 0
-    packs: dict[str, bytes | None] = {}
+    packs = Packs(st)
     for b in m.blobs:
         if b.staged is None:
             continue
         piece = piece_of(b.staged)
-        if piece is None:
-            if not st.exists(b.staged):
-                continue
-        elif piece.file not in packs:
-            packs[piece.file] = st.read_or_none(piece.file)
-        if piece is not None and packs[piece.file] is None:
-            continue
+        body = None if piece is None else packs.body(piece)
+        if (body is None) if piece else not st.exists(b.staged):
+            continue  # gone: promoted by its writer, or removed
         key = (b.tenant, b.sha256)
         if latest.get(key) != "reduce" and not st.exists(blob_path(*key)):
             try:
-                if piece is None:
+                if body is None:
                     st.copy(b.staged, blob_path(*key))
                 else:  # written whole: renamed into place, or one PUT
-                    st.write(blob_path(*key), piece.of(packs[piece.file] or b""))
+                    st.write(blob_path(*key), body)
                 promoted += 1
             except NotFound:  # the writer's own promotion moved it meanwhile
                 if not st.exists(blob_path(*key)):
@@ -461,11 +457,10 @@ def _promote_kept(st: Storage, m: Manifest,
         nbytes += b.size
         if piece is None:
             st.delete(b.staged)
-    if any(pack is not None for pack in packs.values()):
+    if packs.found:
         _sync_all(st)  # a writer's own copies out of these packs may not be durable yet
-    for f, pack in packs.items():
-        if pack is not None:
-            st.delete(f)
+    for f in packs.found:
+        st.delete(f)
     return promoted, nbytes
 
 

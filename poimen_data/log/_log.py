@@ -48,7 +48,7 @@ from poimen_data.log._manifest import (
     manifest_path,
 )
 from poimen_data.log._recorder import Recorder
-from poimen_data.log._staged import piece_of, staged_exists, staged_file
+from poimen_data.log._staged import Packs, piece_of, staged_exists, staged_file
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
 from poimen_data.model import conform_segment
@@ -544,7 +544,7 @@ class EventLog:
         once they are durable the pack is removed, unless it holds a body ever reduced
         (vacuum's, then, as for the staging area ``keep_staging`` keeps).
         """
-        packs: dict[str, bytes | None] = {}
+        packs = Packs(self.storage)
         kept: set[str] = set()
         pieces: list[tuple[str, bytes]] = []  # (blobs/ path, body) copied out of packs
         for b in m.blobs:
@@ -564,12 +564,10 @@ class EventLog:
                 if piece is None:
                     self.storage.move(b.staged, dst)
                     continue
-                if piece.file not in packs:
-                    packs[piece.file] = self.storage.read_or_none(piece.file)
-                pack = packs[piece.file]
-                if pack is None:
+                body = packs.body(piece)
+                if body is None:
                     raise NotFound(f"no such file: {self.storage.url_of(piece.file)}")
-                pieces.append((dst, piece.of(pack)))
+                pieces.append((dst, body))
             except NotFound:
                 self.refresh()
                 if self._state.is_reduced(key):
@@ -592,8 +590,8 @@ class EventLog:
                         if self._state.is_reduced(_key_of(dst))]
             for dst in gone:
                 self.storage.delete(dst)
-        for f, pack in packs.items():
-            if pack is not None and f not in kept:
+        for f in packs.found:
+            if f not in kept:
                 self.storage.delete(f)
 
     def _copy_out(self, pieces: list[tuple[str, bytes]]) -> None:

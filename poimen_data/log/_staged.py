@@ -39,6 +39,26 @@ class Piece:
         return pack[self.offset:self.offset + self.size]
 
 
+class Packs:
+    """Packs read whole, once each, for their pieces to be copied out (promotion, vacuum);
+    ``found`` are the packs that were there, to remove once their pieces are durable."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+        self._read: dict[str, bytes | None] = {}
+
+    def body(self, piece: Piece) -> bytes | None:
+        """The piece's bytes, or None when its pack is gone."""
+        if piece.file not in self._read:
+            self._read[piece.file] = self._storage.read_or_none(piece.file)
+        pack = self._read[piece.file]
+        return None if pack is None else piece.of(pack)
+
+    @property
+    def found(self) -> list[str]:
+        return [f for f, pack in self._read.items() if pack is not None]
+
+
 def piece_of(staged: str) -> Piece | None:
     """The piece a packed location names; None for a body in a file of its own."""
     file, sep, where = staged.partition("#")

@@ -24,7 +24,7 @@ from poimen_data.log._manifest import BlobEntry, Manifest, SegmentInfo, blob_pat
 from poimen_data.log._staged import Piece, pack_path, staged_size
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import check_conformed, conform_table, events_to_table, table_refs
-from poimen_data.storage import CHECK_POOL, IO_POOL, BackgroundPool, DurableBatch
+from poimen_data.storage import CHECK_POOL, IO_POOL, DurableBatch
 
 if TYPE_CHECKING:
     from poimen_data.log._internals import LogInternals
@@ -92,13 +92,6 @@ def _committed_size(log: LogInternals, key: BlobKey) -> int | None:
 class Transaction:
     """A batch of blobs and events that becomes visible at once, or not at all."""
 
-    # Where staged bodies are written (None: by the caller's thread), and how many at
-    # most at a time: the group-commit recorder widens both for a window of many small
-    # bodies (one fsync or one PUT each), and under ``defer_sync`` (page-cache writes)
-    # hands them over ``io_chunk`` at a time.
-    io_pool: BackgroundPool | None = IO_POOL
-    max_io_in_flight: int = MAX_IO_IN_FLIGHT
-    io_chunk: int = 1  # bodies per pool task: small page-cache writes go in batches
     # Stage the bodies put before ``start_writes`` as one file, the pack (see ``_staged``):
     # the recorder's windows of many small bodies.
     pack_bodies: bool = False
@@ -121,7 +114,6 @@ class Transaction:
         self._checks: list[Future[None]] = []  # checks of big tables still running
         self._io: list[Future[Any]] = []  # staged bodies and segment being written
         self._io_bytes = 0
-        self._queued: list[tuple[str, bytes]] = []  # bodies waiting to fill an io_chunk
         self._pack: list[bytes] = []  # bodies of the pack, in order (see pack_bodies)
         self._pack_size = 0
         self._pack_written = False
@@ -194,37 +186,30 @@ class Transaction:
             return
         path = staged_blob_path(self.txn, *key)
         self._staged[key] = BlobEntry(key[0], key[1], len(data), path)
-        if wait or not self.log.storage.background_io or self.io_pool is None:
+        if wait or not self.log.storage.background_io:
             self._write_new(path, data, "blob_staged")
         else:  # written while the caller goes on; commit waits for it before publishing
-            self._queued.append((path, data))
-            self._io_bytes += len(data)
-            if len(self._queued) >= self.io_chunk:
-                self.start_writes()
+            self._write_behind(path, data)
+
+    def _write_behind(self, path: str, data: bytes) -> None:
+        """Write a staged file on the I/O pool, at most ``MAX_IO_IN_FLIGHT`` files (and
+        ``MAX_IO_BYTES_IN_FLIGHT``) of this transaction at a time."""
+        if len(self._io) >= MAX_IO_IN_FLIGHT or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
+            self._wait_io()  # (not _join_io: the pack may still take bodies)
+        self._io_bytes += len(data)
+        self._io.append(IO_POOL.submit(self._write_new, path, data, "blob_staged"))
 
     def start_writes(self) -> None:
-        """Hand the bodies still queued for a full ``io_chunk`` to the I/O pool now, and
-        the pack, which takes no more bodies after this (``commit`` does it too)."""
-        if self._pack and not self._pack_written:
-            self._pack_written = True
-            pack, self._pack = b"".join(self._pack), []
-            if self.log.storage.background_io and self.io_pool is not None:
-                self._io.append(self.io_pool.submit(self._write_new, pack_path(self.txn),
-                                                    pack, "blob_staged"))
-            else:
-                self._write_new(pack_path(self.txn), pack, "blob_staged")
-        if not self._queued:
+        """Write the pack now, on the I/O pool; it takes no more bodies after this
+        (``commit`` does it too)."""
+        if not self._pack or self._pack_written:
             return
-        queued, self._queued = self._queued, []
-        if len(self._io) >= self.max_io_in_flight or self._io_bytes >= MAX_IO_BYTES_IN_FLIGHT:
-            self._join_io()  # (nothing queued now: it does not come back here)
-            self._io_bytes = sum(len(data) for _path, data in queued)
-        assert self.io_pool is not None
-        self._io.append(self.io_pool.submit(self._write_all, queued))
-
-    def _write_all(self, items: list[tuple[str, bytes]]) -> None:
-        for path, data in items:
-            self._write_new(path, data, "blob_staged")
+        self._pack_written = True
+        pack, self._pack = b"".join(self._pack), []
+        if self.log.storage.background_io:
+            self._write_behind(pack_path(self.txn), pack)
+        else:
+            self._write_new(pack_path(self.txn), pack, "blob_staged")
 
     def _write_new(self, path: str, data: Any, point: str) -> None:
         with write_in_flight():
@@ -238,8 +223,12 @@ class Transaction:
         self._join_io()
 
     def _join_io(self) -> None:
-        """Wait for this transaction's files in flight; raise the first write error."""
+        """Write the pack, then wait for this transaction's files in flight; raise the
+        first write error."""
         self.start_writes()
+        self._wait_io()
+
+    def _wait_io(self) -> None:
         errors = [exc for f in self._io if (exc := f.exception()) is not None]
         self._io, self._io_bytes = [], 0  # only once all landed: abort waits for the rest
         if errors:
@@ -326,7 +315,6 @@ class Transaction:
         self._done = True
         for f in self._checks:
             f.cancel()
-        self._queued = []
         for f in self._io:  # writes not started never will; those running land first,
             f.cancel()      # so the cleanup below sees them
         for f in self._io:
