@@ -41,6 +41,11 @@ def test_quick_bench_reports_every_scenario(quick_results: list[Result]) -> None
         assert r.ours_text and r.reference_text and r.ratio_text and r.goal
         assert r.met in (True, False, None)
         assert r.details["t_ours_s"] and r.details["t_ref_s"]
+    group = quick_results[EXPECTED.index("group_commit")]  # the CPU a record costs
+    user = group.details["user_us_per_record"]
+    system = group.details["system_us_per_record"]
+    assert math.isfinite(user) and user > 0 and math.isfinite(system) and system >= 0
+    assert f"{user:.0f} us user + {system:.0f} us system" in group.note
 
 
 @pytest.mark.slow

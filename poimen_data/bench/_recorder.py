@@ -118,7 +118,8 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     """Interleaved rounds of both sides, each on a fresh log; rates from summed work and
     time, latencies pooled over the rounds."""
     out: dict[str, Any] = {"ours_s": [], "ref_s": [], "ours_lat": [], "ref_lat": [],
-                           "commits": [], "ours_flush_s": [], "ref_flush_s": []}
+                           "commits": [], "ours_flush_s": [], "ref_flush_s": [],
+                           "ours_cpu_user_s": 0.0, "ours_cpu_system_s": 0.0}
     for fn in (_grouped, _one_by_one):  # warm-up, untimed (first Arrow conversions)
         fn(_open(root(f"warm-{fn.__name__}"), **open_kw), 1)
     # As a latency-minded engine does once started (README "Recording from many
@@ -132,10 +133,15 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
             sides = [("ours", _grouped, per_ours), ("ref", _one_by_one, per_ref)]
             for name, fn, per in sides[i % 2:] + sides[:i % 2]:
                 log = _open(root(f"{name}{i}"), **open_kw)
+                c0 = os.times()
                 wall, lat = fn(log, per)
                 t0 = time.perf_counter()
                 log.flush()  # promotion: off the commit's path, but it must keep up
                 out[f"{name}_flush_s"].append(time.perf_counter() - t0)
+                if name == "ours":  # this process's CPU, promotion included
+                    c1 = os.times()
+                    out["ours_cpu_user_s"] += c1.user - c0.user
+                    out["ours_cpu_system_s"] += c1.system - c0.system
                 out[f"{name}_s"].append(wall)
                 out[f"{name}_lat"] += lat
                 if name == "ours":
@@ -146,6 +152,9 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     out["ours"] = n * per_ours * reps / sum(out["ours_s"])
     out["ref"] = n * per_ref * reps / sum(out["ref_s"])
     out["records_per_commit"] = PRODUCERS * per_ours * reps / sum(out["commits"])
+    records = PRODUCERS * per_ours * reps
+    out["user_us_per_record"] = out["ours_cpu_user_s"] / records * 1e6
+    out["system_us_per_record"] = out["ours_cpu_system_s"] / records * 1e6
     for side, per in (("ours", per_ours), ("ref", per_ref)):  # until promoted, too
         out[f"{side}_drained"] = n * per * reps / (sum(out[f"{side}_s"])
                                                   + sum(out[f"{side}_flush_s"]))
@@ -188,12 +197,19 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
                         "until every body is promoted to blobs/ too: "
                         f"{fmt_rate(m['ours_drained'], 'events/s')} against "
                         f"{fmt_rate(m['ref_drained'], 'events/s')} "
-                        f"({fmt_ratio(m['ours_drained'] / m['ref_drained'])})",
+                        f"({fmt_ratio(m['ours_drained'] / m['ref_drained'])}); CPU per "
+                        f"record {m['user_us_per_record']:.0f} us user + "
+                        f"{m['system_us_per_record']:.0f} us system: the user part is "
+                        "mostly Python, run one thread at a time (the GIL), so one core "
+                        "of it alone would allow "
+                        f"{fmt_rate(2e6 / m['user_us_per_record'], 'events/s')}",
                    details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
                             "t_ours_flush_s": m["ours_flush_s"],
                             "t_ref_flush_s": m["ref_flush_s"],
                             "ours_drained": m["ours_drained"], "ref_drained": m["ref_drained"],
                             "commits": m["commits"],
+                            "user_us_per_record": m["user_us_per_record"],
+                            "system_us_per_record": m["system_us_per_record"],
                             "records_per_commit": m["records_per_commit"]})
 
 
