@@ -108,14 +108,15 @@ class Recorder:
     segment; on local disk both are made durable by one ``syncfs`` just before the publish
     (``Transaction.defer_sync``; an fsync each where there is no syncfs). Promotion copies
     the pieces out to ``blobs/`` in the background. What bounds it, measured on the 2
-    shared cores of this project's machines (README "Performance"): CPU and the GIL, not
-    fsync. A record costs 280 to 330 us of CPU (550 when each body was a staged file of
-    its own), about half of it in the kernel: thread switches and futex hand-offs of the
-    GIL between 64 producers, the gatherer and the committer, and creating each body's
-    file in ``blobs/`` at promotion (one inode per body in a content-addressed store;
-    ext4 without a journal spends 20 to 500 us per new inode there, scanning past inodes
-    freed in the last 30 s). At 2 events per record that caps a busy 2-core machine at
-    several thousand events per second, short of 20,000 events/s.
+    shared cores of this project's machines (README "Recording from many producers"): the
+    GIL and the window's cycle, not fsync. A record costs about 100 us of user CPU, mostly
+    Python, which runs one thread at a time, and with all producers in one window a cycle
+    is the delay, the window's table, the commit, and every woken producer taking the GIL
+    back (about 15 ms for 64). The kernel's part is thread switches, futex hand-offs and
+    creating each body's file in ``blobs/`` at promotion (about 100 us of CPU per record
+    in all; ext4 without a journal adds 20 to 500 us per new inode, scanning past inodes
+    freed in the last 30 s). At 2 events per record that caps a 2-core machine at 6 to 10
+    thousand events per second, short of 20,000 events/s.
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
