@@ -254,6 +254,40 @@ def test_windows_close_at_their_limits_and_cancel_before_joining(tmp_path: Path)
     assert log.head == 14
 
 
+def test_a_window_closes_its_delay_after_its_first_record_was_handed_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delay runs from the record's hand-over, not from when the gatherer thread got
+    to it (after a commit, 64 woken producers hold the GIL before it for milliseconds).
+    The windows' clock is moved by hand: the gatherer is held while the first record's
+    delay runs out, and its window then closes at once; a later record still waits."""
+    from poimen_data.log import _recorder
+
+    clock = [1000.0]
+    monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    entered, release = threading.Event(), threading.Event()
+    opened = log.transaction
+
+    def held() -> Any:  # the gatherer opening the first window's transaction
+        entered.set()
+        assert release.wait(timeout=30)
+        return opened()
+
+    monkeypatch.setattr(log, "transaction", held)
+    with log.recorder(max_delay_ms=1000) as rec:
+        first = rec.record(_start(1)[0][0])
+        assert entered.wait(timeout=30)  # the gatherer is past its wake-up, window unopened
+        clock[0] += 1.0  # the record has waited its delay meanwhile
+        release.set()
+        assert first.result(timeout=30).seq == 1  # not another second of the clock
+        monkeypatch.setattr(log, "transaction", opened)
+        later = rec.record([E.RunFinished("acme", "run-0", "succeeded")])
+        assert not later.done()  # its delay has not run: the clock stands still
+        clock[0] += 1.0
+        assert later.result(timeout=30).seq == 2
+    assert log.head == 2
+
+
 def test_s3_many_producers_make_one_manifest(s3: Any) -> None:
     import uuid
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from poimen_data.log._log import EventLog
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
+_now = time.monotonic  # the windows' clock (a test moves it by hand)
 KNOWN_BODIES = 65_536
 SMALL_BODY = 64 << 10
 
@@ -71,6 +72,7 @@ class _Record:
     nbytes: int
     refs: frozenset[ev.BlobRef]  # every ref its events point at (checked by _check)
     future: Future[CommitInfo] = field(default_factory=Future)
+    at: float = field(default_factory=lambda: _now())  # when it was handed over
 
 
 @dataclass(eq=False)
@@ -95,13 +97,13 @@ class Recorder:
     """Gathers the records of concurrent producers into one commit per window.
 
     A window opens with its first record and closes once that record has waited
-    ``max_delay_ms`` and the window before it has been taken by the committer (which may
-    still be publishing it), or as soon as one more record would take it past
-    ``max_events`` events or ``max_bytes`` of bodies (a record is never split: a bigger
-    one is a window of its own). While one window publishes, the next may wait closed
-    (its pack and segment being written) and a third gathers, so a busy recorder makes
-    bigger windows, and producers of the next window do their Python work while the disk
-    syncs.
+    ``max_delay_ms`` since ``record`` took it and the window before it has been taken by
+    the committer (which may still be publishing it), or as soon as one more record would
+    take it past ``max_events`` events or ``max_bytes`` of bodies (a record is never
+    split: a bigger one is a window of its own). While one window publishes, the next may
+    wait closed (its pack and segment being written) and a third gathers, so a busy
+    recorder makes bigger windows, and producers of the next window do their Python work
+    while the disk syncs.
 
     A window stages its new bodies as one file, its pack (``log._staged``): one file
     created and written (or one PUT) on the I/O pool when the window closes, beside its
@@ -284,11 +286,15 @@ class Recorder:
                 if not self._inbox:
                     self._hand(_STOP)
                     return
+                # the window's delay runs from its first record's hand-over, not from
+                # when this thread got the GIL back after it (up to several ms behind
+                # the producers a commit woke)
+                opened = self._inbox[0].at
             tx = self.log.transaction()
             tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
             tx.defer_checkpoint = True  # after the futures resolve (see _commit)
             tx.defer_sync()  # the pack and the segment made durable by one syncfs
-            win = _Window(tx, time.monotonic())
+            win = _Window(tx, opened)
             try:
                 self._fill(win)
                 self._close(win)
@@ -321,7 +327,7 @@ class Recorder:
             # the committer may still publish the window before, unless publishes lose
             # races to other writers: then one window at a time, bigger, fewer to race
             idle = self._ready is None and not (self._busy and self._contended)
-            left = win.opened + self.max_delay - time.monotonic()
+            left = win.opened + self.max_delay - _now()
             if idle and (left <= 0 or self._flushing or self._closed):
                 return None
             self._cond.wait(timeout=left if left > 0 else None)
