@@ -588,6 +588,44 @@ def test_a_window_stages_its_bodies_as_pieces_of_one_pack(tmp_path: Path) -> Non
     assert again.read_manifest(1).n_events == 600
 
 
+@pytest.mark.parametrize("budget", ["default", "none"])
+def test_promotion_copies_from_the_pack_it_wrote_without_reading_it_back(
+        root: Root, budget: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit hands its pack's bytes to its promotion: no read of the pack (a GET on
+    S3) and no existence probe before removing it (a HEAD); past the memory bound for
+    packs awaiting a background promotion, the pack is read back once."""
+    from poimen_data.log import _log
+
+    if budget == "none":
+        monkeypatch.setattr(_log, "RETAINED_PACK_BYTES", 0)
+    log = root.open()
+    reads: list[str] = []
+    read_or_none = log.storage.read_or_none
+
+    def counted(rel: str) -> bytes | None:
+        reads.append(rel)
+        return read_or_none(rel)
+
+    monkeypatch.setattr(log.storage, "read_or_none", counted)
+    bodies = [f"prompt {i}".encode() * 50 for i in range(8)]
+    refs = [blob_ref("acme", b) for b in bodies]
+    probes = log.storage.calls["size"]
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        futs = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1, prompt=r)],
+                           blobs={r: b}) for i, (r, b) in enumerate(zip(refs, bodies,
+                                                                      strict=True))]
+        rec.flush()
+    assert {f.result(timeout=0).seq for f in futs} == {1}
+    log.flush()
+    read_back = budget == "none" and root.backend != "memory"  # memory:// promotes at once
+    assert len([r for r in reads if r.endswith("bodies.pack")]) == read_back
+    assert log.storage.calls["size"] == probes
+    assert list(log.storage.walk_files("_staging")) == []
+    again = root.open()
+    assert [again.blobs.get(r) for r in refs] == bodies
+    assert _log._RETAINED.used == 0  # every promotion gave its pack back
+
+
 def test_a_body_recorded_again_after_its_reduction_stays_in_its_pack_until_vacuum(
         root: Root) -> None:
     """A body committed again after a reduction stays in staging (promoting it could

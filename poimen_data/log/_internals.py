@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from poimen_data.log._manifest import Manifest, SegmentInfo
@@ -51,7 +51,8 @@ class LogInternals(Protocol):
 
     def publish_unknown(self, txn: str) -> bool: ...
 
-    def after_publish(self, m: Manifest, *, keep_staging: bool) -> None: ...
+    def after_publish(self, m: Manifest, *, keep_staging: bool,
+                      packs: Mapping[str, bytes] | None = None) -> None: ...
 
     def promote(self, m: Manifest) -> None: ...
 

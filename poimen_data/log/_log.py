@@ -18,7 +18,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -64,6 +64,34 @@ DEFAULT_CHECKPOINT_INTERVAL = 100
 MAX_COMMIT_ATTEMPTS = 10_000
 _logger = logging.getLogger("poimen_data")
 _LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
+RETAINED_PACK_BYTES = 64 << 20  # packs kept in memory for their promotion, at most
+
+
+class _PackBudget:
+    """Bytes of written packs held in memory until their promotion has copied them out,
+    within a bound: past it a promotion reads its pack back (the promotion backlog on S3
+    may be a hundred commits long, and a pack up to ``PACK_MAX``)."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, packs: Mapping[str, bytes] | None) -> Mapping[str, bytes] | None:
+        """``packs``, counted against the bound; None when they do not fit."""
+        n = sum(len(b) for b in (packs or {}).values())
+        with self._lock:
+            if not n or self.used + n > RETAINED_PACK_BYTES:
+                return None
+            self.used += n
+        return packs
+
+    def give(self, packs: Mapping[str, bytes] | None) -> None:
+        n = sum(len(b) for b in (packs or {}).values())
+        with self._lock:
+            self.used -= n
+
+
+_RETAINED = _PackBudget()
 
 
 def _forget_promotions() -> None:
@@ -440,9 +468,10 @@ class EventLog:
                             None)
         return self.read_manifest(seq)
 
-    def after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
+    def after_publish(self, m: Manifest, *, keep_staging: bool,
+                      packs: Mapping[str, bytes] | None = None) -> None:
         """Promote a just-published commit's bodies (see ``_after_publish``)."""
-        self._after_publish(m, keep_staging=keep_staging)
+        self._after_publish(m, keep_staging=keep_staging, packs=packs)
 
     def maybe_checkpoint(self, seq: int) -> None:
         """Checkpoint when ``seq`` is a multiple of the interval."""
@@ -533,7 +562,7 @@ class EventLog:
 
     # -- promotion, recovery, checkpoints ----------------------------------------
 
-    def _promote(self, m: Manifest) -> None:
+    def _promote(self, m: Manifest, written: Mapping[str, bytes] | None = None) -> None:
         """Move a committed manifest's staged bodies to ``blobs/`` (idempotent).
 
         A body committed again after a reduction stays in staging, where ``get`` finds it
@@ -544,7 +573,7 @@ class EventLog:
         once they are durable the pack is removed, unless it holds a body ever reduced
         (vacuum's, then, as for the staging area ``keep_staging`` keeps).
         """
-        packs = Packs(self.storage)
+        packs = Packs(self.storage, written)
         kept: set[str] = set()
         pieces: list[tuple[str, bytes]] = []  # (blobs/ path, body) copied out of packs
         for b in m.blobs:
@@ -592,7 +621,7 @@ class EventLog:
                 self.storage.delete(dst)
         for f in packs.found:
             if f not in kept:
-                self.storage.delete(f)
+                self.storage.delete(f, check=False)  # it was there: no probe first
 
     def _copy_out(self, pieces: list[tuple[str, bytes]]) -> None:
         """Write bodies copied out of a pack to ``blobs/``, durable before the pack goes:
@@ -617,24 +646,34 @@ class EventLog:
             if batch is not None:
                 batch.close()
 
-    def _after_publish(self, m: Manifest, *, keep_staging: bool) -> None:
+    def _after_publish(self, m: Manifest, *, keep_staging: bool,
+                       packs: Mapping[str, bytes] | None = None) -> None:
         """Promote a just-published commit's bodies on a background thread (renames on
         local disk, a copy and a delete per body on an object store), so the commit returns
         at its publish: readers find the bodies in staging meanwhile, ``flush()`` waits for
-        them, and the next open rolls forward what a crash left. ``memory://`` promotes now."""
+        them, and the next open rolls forward what a crash left. ``memory://`` promotes now.
+        ``packs`` are the bytes of the packs the commit wrote: promotion copies from them
+        instead of reading each back (a GET on S3), within ``RETAINED_PACK_BYTES``."""
         if not any(b.staged for b in m.blobs):
             crash_point("blobs_promoted")
             return
         if not self.storage.background_io:
-            self._promote_commit(m, keep_staging)
+            self._promote_commit(m, keep_staging, packs)
             return
+        held = _RETAINED.take(packs)
         with self._lock:
             _LIVE_LOGS.add(self)
             self._promotions.append(PROMOTE_POOL.submit(self._promote_commit, m,
-                                                        keep_staging))
+                                                        keep_staging, held, True))
 
-    def _promote_commit(self, m: Manifest, keep_staging: bool) -> None:
-        self._promote(m)
+    def _promote_commit(self, m: Manifest, keep_staging: bool,
+                        packs: Mapping[str, bytes] | None = None,
+                        release: bool = False) -> None:
+        try:
+            self._promote(m, packs)
+        finally:
+            if release:
+                _RETAINED.give(packs)
         self._promoted.add(m.txn)
         if self.storage.has_directories and not keep_staging:  # S3 has no empty folders
             try:

@@ -12,6 +12,7 @@ that commit's promotion, as any staging area does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from poimen_data.storage import Storage
@@ -43,9 +44,10 @@ class Packs:
     """Packs read whole, once each, for their pieces to be copied out (promotion, vacuum);
     ``found`` are the packs that were there, to remove once their pieces are durable."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, written: Mapping[str, bytes] | None = None) -> None:
         self._storage = storage
-        self._read: dict[str, bytes | None] = {}
+        # ``written``: packs whose bytes the caller holds (it wrote them), read from there
+        self._read: dict[str, bytes | None] = dict(written or {})
 
     def body(self, piece: Piece) -> bytes | None:
         """The piece's bytes, or None when its pack is gone."""

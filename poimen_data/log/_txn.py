@@ -117,6 +117,7 @@ class Transaction:
         self._pack: list[bytes] = []  # bodies of the pack, in order (see pack_bodies)
         self._pack_size = 0
         self._pack_written = False
+        self._pack_bytes: dict[str, bytes] = {}  # the pack written, for its promotion
         self._spec: tuple[pa.Table, Future[SegmentInfo]] | None = None  # see extend
         self._batch: DurableBatch | None = None  # see defer_sync
         self.commit_info: CommitInfo | None = None
@@ -206,6 +207,7 @@ class Transaction:
             return
         self._pack_written = True
         pack, self._pack = b"".join(self._pack), []
+        self._pack_bytes = {pack_path(self.txn): pack}
         if self.log.storage.background_io:
             self._write_behind(pack_path(self.txn), pack)
         else:
@@ -379,7 +381,8 @@ class Transaction:
         self.commit_info = CommitInfo(m.seq, m.first_lsn, m.last_lsn)
         crash_point("manifest_published")
         try:  # the commit has landed: what follows is housekeeping a later open redoes
-            self.log.after_publish(m, keep_staging=self._has_kept_staging(m))
+            packs, self._pack_bytes = self._pack_bytes, {}  # its promotion's now
+            self.log.after_publish(m, keep_staging=self._has_kept_staging(m), packs=packs)
         except Exception as exc:  # noqa: BLE001
             _logger.warning("commit seq %d landed; promotion deferred: %s", m.seq, exc)
         if not self.defer_checkpoint:
