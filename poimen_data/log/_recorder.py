@@ -113,12 +113,12 @@ class Recorder:
     shared cores of this project's machines (README "Recording from many producers"): the
     GIL and the window's cycle, not fsync. A record costs about 100 us of user CPU, mostly
     Python, which runs one thread at a time, and with all producers in one window a cycle
-    is the delay, the window's table, the commit, and every woken producer taking the GIL
-    back (about 15 ms for 64). The kernel's part is thread switches, futex hand-offs and
-    creating each body's file in ``blobs/`` at promotion (about 100 us of CPU per record
-    in all; ext4 without a journal adds 20 to 500 us per new inode, scanning past inodes
-    freed in the last 30 s). At 2 events per record that caps a 2-core machine at 6 to 10
-    thousand events per second, short of 20,000 events/s.
+    is the delay (the woken producers hand their records over within it), the window's
+    table and the commit: about 10 ms for 64. The kernel's part is thread switches, futex
+    hand-offs and creating each body's file in ``blobs/`` at promotion (about 100 us of
+    CPU per record in all; ext4 without a journal adds 20 to 500 us per new inode,
+    scanning past inodes freed in the last 30 s). At 2 events per record that caps a
+    2-core machine at about 10 to 12 thousand events per second, short of 20,000.
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
