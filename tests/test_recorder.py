@@ -288,6 +288,77 @@ def test_a_window_closes_its_delay_after_its_first_record_was_handed_over(
     assert log.head == 2
 
 
+def test_a_cancelled_first_record_does_not_start_its_window_clock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delay runs from the first record that joins: a record cancelled before its
+    window opened does not shorten the next one's wait (hand-moved clock, the gatherer
+    held until both were handed over; a timed wait of the gatherer is the rendezvous)."""
+    from poimen_data.log import _recorder
+
+    clock = [1000.0]
+    monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    entered, release = threading.Event(), threading.Event()
+    opened = log.transaction
+
+    def held() -> Any:
+        entered.set()
+        assert release.wait(timeout=30)
+        return opened()
+
+    monkeypatch.setattr(log, "transaction", held)
+    with log.recorder(max_delay_ms=1000) as rec:
+        waiting = threading.Event()
+        wait = rec._cond.wait
+
+        def timed(timeout: float | None = None) -> bool:
+            if timeout is not None:
+                waiting.set()  # the gatherer holds an open window whose delay runs
+            return wait(timeout)
+
+        monkeypatch.setattr(rec._cond, "wait", timed)
+        first = rec.record(_start(1)[0][0])
+        assert entered.wait(timeout=30)
+        assert first.cancel()  # still waiting to join
+        clock[0] += 1.0
+        second = rec.record([E.RunStarted("acme", "run-9", "wf-1")])
+        release.set()
+        assert waiting.wait(timeout=30)  # joined; its window waits out its own delay
+        assert not second.done()
+        clock[0] += 1.0
+        assert second.result(timeout=30).seq == 1
+    assert first.cancelled() and log.head == 1
+
+
+def test_a_forked_child_holds_none_of_its_parents_pack_bytes(tmp_path: Path) -> None:
+    """Pack bytes held for the parent's promotions are not counted in a forked child
+    (its promotions would read every pack back otherwise); the parent gives them back."""
+    from poimen_data.log import _log
+    from poimen_data.storage import PROMOTE_POOL
+
+    log = pdm.open_log(str(tmp_path / "log"))
+    body = b"a prompt " * 100
+    ref = blob_ref("acme", body)
+    gate = threading.Event()
+    held = PROMOTE_POOL.submit(gate.wait)  # the one promotion thread waits here
+    try:
+        with log.recorder(max_delay_ms=NEVER) as rec:
+            fut = rec.record([E.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=ref)],
+                             blobs={ref: body})
+            rec.flush()
+        assert fut.result(timeout=0).seq == 1
+        assert _log._RETAINED.used == len(body)  # the window's pack, queued
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            os._exit(0 if _log._RETAINED.used == 0 else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    log.flush()
+    assert _log._RETAINED.used == 0 and log.blobs.get(ref) == body
+
+
 def test_s3_many_producers_make_one_manifest(s3: Any) -> None:
     import uuid
 
@@ -609,7 +680,7 @@ def test_promotion_copies_from_the_pack_it_wrote_without_reading_it_back(
     monkeypatch.setattr(log.storage, "read_or_none", counted)
     bodies = [f"prompt {i}".encode() * 50 for i in range(8)]
     refs = [blob_ref("acme", b) for b in bodies]
-    probes = log.storage.calls["size"]
+    probes = log.storage.calls["size"], log.storage.calls["exists"]
     with log.recorder(max_delay_ms=NEVER) as rec:
         futs = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1, prompt=r)],
                            blobs={r: b}) for i, (r, b) in enumerate(zip(refs, bodies,
@@ -619,7 +690,7 @@ def test_promotion_copies_from_the_pack_it_wrote_without_reading_it_back(
     log.flush()
     read_back = budget == "none" and root.backend != "memory"  # memory:// promotes at once
     assert len([r for r in reads if r.endswith("bodies.pack")]) == read_back
-    assert log.storage.calls["size"] == probes
+    assert (log.storage.calls["size"], log.storage.calls["exists"]) == probes
     assert list(log.storage.walk_files("_staging")) == []
     again = root.open()
     assert [again.blobs.get(r) for r in refs] == bodies
@@ -669,8 +740,8 @@ def test_reducing_a_body_still_in_its_pack_promotes_the_others_and_removes_the_p
         tmp_path: Path) -> None:
     """A body reduced while its window's pack still waits for promotion (the promotion
     thread is held): reduce copies the pack's other body out, removes the pack and counts
-    the reduced piece as freed; the writer's own promotion, let go afterwards, finds the
-    pack gone and loses nothing."""
+    the reduced piece as freed; the writer's own promotion, let go afterwards, copies from
+    the pack bytes its commit handed it, loses nothing and brings no copy of x back."""
     import threading
 
     from poimen_data.storage import PROMOTE_POOL

@@ -90,6 +90,11 @@ class _PackBudget:
         with self._lock:
             self.used -= n
 
+    def forget(self) -> None:
+        """In a forked child: none of the parent's promotions run here."""
+        self.used = 0
+        self._lock = threading.Lock()
+
 
 _RETAINED = _PackBudget()
 
@@ -100,6 +105,7 @@ def _forget_promotions() -> None:
     for log in list(_LIVE_LOGS):
         log._promotions = []
         log._lock = threading.RLock()
+    _RETAINED.forget()  # the parent's promotions hold those bytes, not the child's
 
 
 os.register_at_fork(after_in_child=_forget_promotions)
@@ -621,7 +627,7 @@ class EventLog:
                 self.storage.delete(dst)
         for f in packs.found:
             if f not in kept:
-                self.storage.delete(f, check=False)  # it was there: no probe first
+                self.storage.delete(f, check=False)  # read or written: no probe first
 
     def _copy_out(self, pieces: list[tuple[str, bytes]]) -> None:
         """Write bodies copied out of a pack to ``blobs/``, durable before the pack goes:

@@ -286,15 +286,14 @@ class Recorder:
                 if not self._inbox:
                     self._hand(_STOP)
                     return
-                # the window's delay runs from its first record's hand-over, not from
-                # when this thread got the GIL back after it (up to several ms behind
-                # the producers a commit woke)
-                opened = self._inbox[0].at
             tx = self.log.transaction()
             tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
             tx.defer_checkpoint = True  # after the futures resolve (see _commit)
             tx.defer_sync()  # the pack and the segment made durable by one syncfs
-            win = _Window(tx, opened)
+            # opened: set by its first record to join (_join), from that record's hand-over,
+            # not from now, when this thread got the GIL back after it (up to several ms
+            # behind the producers a commit woke)
+            win = _Window(tx, 0.0)
             try:
                 self._fill(win)
                 self._close(win)
@@ -336,6 +335,8 @@ class Recorder:
         win.last_no = rec.no
         if not rec.future.set_running_or_notify_cancel():
             return  # cancelled by its producer before joining
+        if not win.records:
+            win.opened = rec.at  # its delay runs from its first record's hand-over
         win.records.append(rec)
         win.n_events += len(rec.events)
         win.nbytes += rec.nbytes

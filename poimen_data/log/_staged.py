@@ -42,7 +42,8 @@ class Piece:
 
 class Packs:
     """Packs read whole, once each, for their pieces to be copied out (promotion, vacuum);
-    ``found`` are the packs that were there, to remove once their pieces are durable."""
+    ``found`` are the packs that were there (or that the caller wrote and handed over: one
+    may be gone since), to remove once their pieces are durable."""
 
     def __init__(self, storage: Storage, written: Mapping[str, bytes] | None = None) -> None:
         self._storage = storage

@@ -91,7 +91,7 @@ class LocalStorage(Storage):
         """Write ``tmp`` whole (and fsync); on any failure (ENOSPC) leave no temp behind."""
         # os.open and os.write, no buffered file object: a body copied out of a pack is
         # one of these per body, and open()'s fstat, ioctl and seek cost a third of it
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(): umask
         try:
             try:
                 view = memoryview(data)
