@@ -62,9 +62,14 @@ def _attempt(run_id: str, ref: Any) -> list[Any]:
             ev.AttemptFinished("acme", run_id, 0, "step", 1, "succeeded")]
 
 
-def _drive(per: int, one: Callable[[int, int, bytes], None]) -> tuple[float, list[float]]:
+Driven = tuple[float, list[float], tuple[float, float]]
+
+
+def _drive(per: int, one: Callable[[int, int, bytes], None]) -> Driven:
     """``PRODUCERS`` threads released together, each calling ``one(p, k, body)`` ``per``
-    times in a row; returns the wall time and every call's latency."""
+    times in a row; returns the wall time, every call's latency, and this process's user
+    and system CPU seconds from the release to the last call's end (the bodies made and
+    the threads started before it are not counted)."""
     bodies = [[os.urandom(BODY) for _ in range(per)] for _ in range(PRODUCERS)]
     barrier = threading.Barrier(PRODUCERS + 1)
     lat: list[float] = []
@@ -86,16 +91,16 @@ def _drive(per: int, one: Callable[[int, int, bytes], None]) -> tuple[float, lis
     for t in threads:
         t.start()
     barrier.wait()
-    t0 = time.perf_counter()
+    c0, t0 = os.times(), time.perf_counter()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall, c1 = time.perf_counter() - t0, os.times()
     if errors:
         raise errors[0]
-    return wall, lat
+    return wall, lat, (c1.user - c0.user, c1.system - c0.system)
 
 
-def _grouped(log: Any, per: int) -> tuple[float, list[float]]:
+def _grouped(log: Any, per: int) -> Driven:
     with log.recorder(max_delay_ms=5) as rec:
         def one(p: int, k: int, body: bytes) -> None:
             ref = rec.ref("acme", body)
@@ -104,7 +109,7 @@ def _grouped(log: Any, per: int) -> tuple[float, list[float]]:
         return _drive(per, one)
 
 
-def _one_by_one(log: Any, per: int) -> tuple[float, list[float]]:
+def _one_by_one(log: Any, per: int) -> Driven:
     def one(p: int, k: int, body: bytes) -> None:
         with log.transaction() as tx:
             ref = tx.put_blob("acme", body)
@@ -133,12 +138,10 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
             sides = [("ours", _grouped, per_ours), ("ref", _one_by_one, per_ref)]
             for name, fn, per in sides[i % 2:] + sides[:i % 2]:
                 log = _open(root(f"{name}{i}"), **open_kw)
-                c0 = os.times()
-                wall, lat = fn(log, per)
+                wall, lat, (user, system) = fn(log, per)
                 if name == "ours":  # this process's CPU while recording (promotion too)
-                    c1 = os.times()
-                    out["ours_cpu_user_s"] += c1.user - c0.user
-                    out["ours_cpu_system_s"] += c1.system - c0.system
+                    out["ours_cpu_user_s"] += user
+                    out["ours_cpu_system_s"] += system
                 t0 = time.perf_counter()
                 log.flush()  # promotion: off the commit's path, but it must keep up
                 out[f"{name}_flush_s"].append(time.perf_counter() - t0)
