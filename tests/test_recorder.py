@@ -254,6 +254,23 @@ def test_windows_close_at_their_limits_and_cancel_before_joining(tmp_path: Path)
     assert log.head == 14
 
 
+def _hold_transactions(log: pdm.EventLog, monkeypatch: pytest.MonkeyPatch
+                       ) -> tuple[threading.Event, threading.Event, Any]:
+    """Hold whoever opens a transaction of ``log`` next (the gatherer opening a window):
+    ``entered`` is set once it waits, ``release`` lets it go; the original method is
+    returned to put back."""
+    entered, release = threading.Event(), threading.Event()
+    opened = log.transaction
+
+    def held() -> Any:
+        entered.set()
+        assert release.wait(timeout=30)
+        return opened()
+
+    monkeypatch.setattr(log, "transaction", held)
+    return entered, release, opened
+
+
 def test_a_window_closes_its_delay_after_its_first_record_was_handed_over(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The delay runs from the record's hand-over, not from when the gatherer thread got
@@ -265,15 +282,7 @@ def test_a_window_closes_its_delay_after_its_first_record_was_handed_over(
     clock = [1000.0]
     monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
     log = pdm.open_log(str(tmp_path / "log"), durable=False)
-    entered, release = threading.Event(), threading.Event()
-    opened = log.transaction
-
-    def held() -> Any:  # the gatherer opening the first window's transaction
-        entered.set()
-        assert release.wait(timeout=30)
-        return opened()
-
-    monkeypatch.setattr(log, "transaction", held)
+    entered, release, opened = _hold_transactions(log, monkeypatch)
     with log.recorder(max_delay_ms=1000) as rec:
         first = rec.record(_start(1)[0][0])
         assert entered.wait(timeout=30)  # the gatherer is past its wake-up, window unopened
@@ -298,15 +307,7 @@ def test_a_cancelled_first_record_does_not_start_its_window_clock(
     clock = [1000.0]
     monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
     log = pdm.open_log(str(tmp_path / "log"), durable=False)
-    entered, release = threading.Event(), threading.Event()
-    opened = log.transaction
-
-    def held() -> Any:
-        entered.set()
-        assert release.wait(timeout=30)
-        return opened()
-
-    monkeypatch.setattr(log, "transaction", held)
+    entered, release, _opened = _hold_transactions(log, monkeypatch)
     with log.recorder(max_delay_ms=1000) as rec:
         waiting = threading.Event()
         wait = rec._cond.wait

@@ -139,23 +139,22 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
             for name, fn, per in sides[i % 2:] + sides[:i % 2]:
                 log = _open(root(f"{name}{i}"), **open_kw)
                 wall, lat, (user, system) = fn(log, per)
-                if name == "ours":  # this process's CPU while recording (promotion too)
-                    out["ours_cpu_user_s"] += user
-                    out["ours_cpu_system_s"] += system
                 t0 = time.perf_counter()
                 log.flush()  # promotion: off the commit's path, but it must keep up
                 out[f"{name}_flush_s"].append(time.perf_counter() - t0)
                 out[f"{name}_s"].append(wall)
                 out[f"{name}_lat"] += lat
-                if name == "ours":
+                if name == "ours":  # this process's CPU while recording (promotion too)
+                    out["ours_cpu_user_s"] += user
+                    out["ours_cpu_system_s"] += system
                     out["commits"].append(log.head_seq)
     finally:
         gc.unfreeze()
     n = PRODUCERS * 2
     out["ours"] = n * per_ours * reps / sum(out["ours_s"])
     out["ref"] = n * per_ref * reps / sum(out["ref_s"])
-    out["records_per_commit"] = PRODUCERS * per_ours * reps / sum(out["commits"])
     records = PRODUCERS * per_ours * reps
+    out["records_per_commit"] = records / sum(out["commits"])
     out["user_us_per_record"] = out["ours_cpu_user_s"] / records * 1e6
     out["system_us_per_record"] = out["ours_cpu_system_s"] / records * 1e6
     for side, per in (("ours", per_ours), ("ref", per_ref)):  # until promoted, too

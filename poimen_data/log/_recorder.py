@@ -78,7 +78,9 @@ class _Record:
 @dataclass(eq=False)
 class _Window:
     tx: Transaction
-    opened: float
+    # the hand-over of its first record to join (set by _join), not when the gatherer got
+    # the GIL back after it (up to several ms behind the producers a commit woke)
+    opened: float = 0.0
     records: list[_Record] = field(default_factory=list)
     n_events: int = 0
     nbytes: int = 0
@@ -290,10 +292,7 @@ class Recorder:
             tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
             tx.defer_checkpoint = True  # after the futures resolve (see _commit)
             tx.defer_sync()  # the pack and the segment made durable by one syncfs
-            # opened: set by its first record to join (_join), from that record's hand-over,
-            # not from now, when this thread got the GIL back after it (up to several ms
-            # behind the producers a commit woke)
-            win = _Window(tx, 0.0)
+            win = _Window(tx)
             try:
                 self._fill(win)
                 self._close(win)

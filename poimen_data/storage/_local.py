@@ -87,14 +87,15 @@ class LocalStorage(Storage):
 
     # -- writes ---------------------------------------------------------------------
 
-    def _write_temp(self, tmp: str, data: bytes | pa.Buffer, durable: bool) -> None:
-        """Write ``tmp`` whole (and fsync); on any failure (ENOSPC) leave no temp behind."""
-        # os.open and os.write, no buffered file object: a body copied out of a pack is
-        # one of these per body, and open()'s fstat, ioctl and seek cost a third of it
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(): umask
+    def _create(self, path: str, data: bytes | pa.Buffer, durable: bool) -> None:
+        """Create ``path`` (it must not exist) and write it whole, fsynced when ``durable``;
+        on any failure (ENOSPC) leave nothing behind. os.open and os.write, no buffered
+        file object: open()'s fstat, ioctl and seek would cost a third of a small file (a
+        body copied out of a pack is one)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(): umask
         try:
             try:
-                view = memoryview(data)
+                view = memoryview(data)  # pa.Buffer has the buffer protocol
                 while view:
                     view = view[os.write(fd, view):]
                 if durable:
@@ -103,14 +104,14 @@ class LocalStorage(Storage):
                 os.close(fd)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                os.unlink(path)
             raise
 
     def write(self, rel: str, data: bytes, *, durable: bool | None = None) -> None:
         path = self.full(rel)
         self._makedirs(os.path.dirname(path))
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        self._write_temp(tmp, data, self.durable if durable is None else durable)
+        self._create(tmp, data, self.durable if durable is None else durable)
         try:
             os.replace(tmp, path)
         except BaseException:
@@ -121,19 +122,7 @@ class LocalStorage(Storage):
     def write_new(self, rel: str, data: bytes | pa.Buffer, *, sync: bool = True) -> None:
         path = self.full(rel)
         self._makedirs(os.path.dirname(path))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)  # pa.Buffer has the buffer protocol
-            while view:  # os.write: no buffered file object (3 syscalls fewer)
-                view = view[os.write(fd, view):]
-            if sync and self.durable:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise
-        os.close(fd)
+        self._create(path, data, sync and self.durable)
 
     def write_hashed(self, rel: str, fill: Callable[[Any], None],
                      size_hint: int = 0, *, sync: bool = True) -> tuple[int, str]:
@@ -168,7 +157,7 @@ class LocalStorage(Storage):
         d = os.path.dirname(path)
         self._makedirs(d)
         tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
-        self._write_temp(tmp, data, self.durable)
+        self._create(tmp, data, self.durable)
         try:
             os.link(tmp, path)
         except FileExistsError:
