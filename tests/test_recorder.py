@@ -360,6 +360,142 @@ def test_a_forked_child_holds_none_of_its_parents_pack_bytes(tmp_path: Path) -> 
     assert _log._RETAINED.used == 0 and log.blobs.get(ref) == body
 
 
+_HARDENING = """
+import errno, json, os, resource, sys
+import poimen_data as pdm
+from poimen_data import events as E
+from poimen_data.errors import PoimenError
+from poimen_data.log._recorder import blob_ref
+
+def attempt(run):
+    body = f"prompt of {run} ".encode() * 50
+    ref = blob_ref("acme", body)
+    return [E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=ref)], {ref: body}
+
+def refused(call):
+    try:
+        call()
+    except PoimenError as exc:
+        return str(exc)
+    return None
+
+log = pdm.open_log(sys.argv[2])
+out = {}
+if sys.argv[1] == "emfile":
+    with log.recorder(max_delay_ms=10**9) as rec:
+        evs, blobs = attempt("before")
+        out["before"] = rec.record(evs, blobs=blobs)
+        rec.flush()
+        log.flush()  # its promotion done before the descriptors run out
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        held = []
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        evs, blobs = attempt("during")
+        out["during"] = rec.record(evs, blobs=blobs)
+        rec.flush()  # the gatherer cannot open syncfs's descriptor: it must live on
+        for fd in held:
+            os.close(fd)
+        evs, blobs = attempt("after")
+        out["after"] = rec.record(evs, blobs=blobs)
+    exc = out["during"].exception()
+    print(json.dumps({"before": out["before"].result().seq,
+                      "during": [type(exc).__name__, getattr(exc, "errno", None) == errno.EMFILE],
+                      "after": out["after"].result().seq}))
+else:
+    rec = log.recorder(max_delay_ms=10**9)
+    evs, blobs = attempt("pending")
+    pending = rec.record(evs, blobs=blobs)  # gathered, its window not closed
+    rec._cond.acquire()  # the fork happens while the recorder's lock is held
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # exits normally: its atexit must not wait on that lock
+        evs, blobs = attempt("child")
+        print(json.dumps({"record": refused(lambda: rec.record(evs, blobs=blobs)),
+                          "result": refused(lambda: pending.result()),
+                          "flush": refused(rec.flush), "close": rec.close()}))
+        sys.exit(0)
+    rec._cond.release()
+    status = os.waitpid(pid, 0)[1]
+    rec.close()
+    print(json.dumps({"child_status": status, "pending": pending.result().seq}))
+"""
+
+
+def _hardening(kind: str, root: Path) -> list[Any]:
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _HARDENING, kind, str(root)],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_a_window_without_a_descriptor_for_syncfs_fails_its_records_and_goes_on(
+        tmp_path: Path) -> None:
+    """Out of file descriptors, the gatherer cannot open the one ``syncfs`` needs: the
+    window's records fail with that error (the gatherer thread dying instead left every
+    later record pending for ever), and once descriptors are free again records land."""
+    root = tmp_path / "log"
+    pdm.open_log(str(root))
+    [out] = _hardening("emfile", root)
+    assert out == {"before": 1, "during": ["OSError", True], "after": 2}
+    log = pdm.open_log(str(root))
+    assert [r[1] for r in _rows(log)] == ["before", "after"]
+    assert not list(log.storage.walk_files("_staging"))  # nothing of it left behind
+
+
+def test_a_forked_child_refuses_its_parents_recorder_and_exits(tmp_path: Path) -> None:
+    """A forked child has none of the recorder's threads, and its lock may have been held
+    at the fork: recording, waiting and flushing raise ``PoimenError`` there at once (they
+    waited for ever), ``close`` and the child's exit return; the parent goes on."""
+    root = tmp_path / "log"
+    pdm.open_log(str(root))
+    child, parent = _hardening("fork", root)
+    assert child["record"] == child["flush"] == (
+        "this recorder belongs to the process that forked this one (its threads are not "
+        "here): open a recorder in this process")
+    assert child["result"] == child["record"] and child["close"] is None
+    assert parent == {"child_status": 0, "pending": 1}
+    assert [r[1] for r in _rows(pdm.open_log(str(root)))] == ["pending"]
+
+
+def test_waiting_for_a_record_from_a_done_callback_raises_instead_of_hanging(
+        tmp_path: Path) -> None:
+    """Done-callbacks run on the committer thread: waiting there for a record it has not
+    resolved yet (the next one of the same window), or flushing, would wait for itself."""
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    seen: list[str] = []
+
+    def waits(_f: Future[Any]) -> None:
+        for call in (lambda: second.result(timeout=5), lambda: second.exception(timeout=5),
+                     rec.flush):
+            try:
+                call()
+                seen.append("returned")
+            except BaseException as exc:  # noqa: BLE001 - what it raised is the result
+                seen.append(f"{type(exc).__name__}: {exc}")
+
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        first = rec.record(_start(1)[0][0])
+        second = rec.record([E.RunFinished("acme", "run-0", "succeeded")])
+        first.add_done_callback(waits)
+        rec.flush()  # the window closes: its commit resolves first, then second
+        assert second.result(timeout=0) == pdm.CommitInfo(1, 2, 2)
+        # once resolved, a future's result is there on any thread
+        first.add_done_callback(lambda f: seen.append(str(second.result())))
+    wait = ("PoimenError: waiting for a record on the recorder's own thread (from a "
+            "done-callback) would never end: hand the wait to another thread, or use arecord")
+    assert seen == [wait, wait, "PoimenError: flush on the recorder's own thread (from a "
+                    "done-callback) would never end: call it from another thread",
+                    str(pdm.CommitInfo(1, 2, 2))]
+    assert log.head == 2
+
+
 def test_s3_many_producers_make_one_manifest(s3: Any) -> None:
     import uuid
 

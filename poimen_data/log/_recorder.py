@@ -10,6 +10,7 @@ import asyncio
 import atexit
 import hashlib
 import math
+import os
 import threading
 import time
 import weakref
@@ -44,6 +45,36 @@ def _close_all() -> None:
             pass
 
 
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's recorder threads, and a recorder's lock may
+    have been held when it forked: its recorders refuse from now on, without touching
+    that lock, and are not drained at its exit."""
+    for rec in list(_LIVE):
+        rec._forked = True
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+class _RecordFuture(Future[CommitInfo]):
+    """A record's future. Its done-callbacks run on the recorder's committer thread; one
+    that waited there for a record not yet resolved would wait for itself, so that raises
+    ``PoimenError`` instead (``arecord`` and callbacks that only hand work on are fine)."""
+
+    def __init__(self, owner: Recorder) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def result(self, timeout: float | None = None) -> CommitInfo:
+        self._owner._check_wait(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._owner._check_wait(self)
+        return super().exception(timeout)
+
+
 def blob_ref(tenant: str, data: bytes) -> ev.BlobRef:
     """The ref a body gets in the blob store (sha256 of the bytes, within ``tenant``)."""
     ev.check_tenant(tenant, "blob_ref")
@@ -71,7 +102,7 @@ class _Record:
     bodies: dict[BlobKey, bytes]
     nbytes: int
     refs: frozenset[ev.BlobRef]  # every ref its events point at (checked by _check)
-    future: Future[CommitInfo] = field(default_factory=Future)
+    future: Future[CommitInfo]
     at: float = field(default_factory=lambda: _now())  # when it was handed over
 
 
@@ -150,6 +181,7 @@ class Recorder:
         self._done_no = 0  # every record numbered up to this one is resolved
         self._flushing = 0  # flush() calls waiting: close windows without the delay
         self._closed = False
+        self._forked = False  # this is a forked child's copy (see _forget_in_child)
         self._ready: _Window | object | None = None  # closed window handed to the committer
         self._busy = False  # the committer is publishing a window
         self._contended = False  # the last publish lost a race to another writer
@@ -186,9 +218,11 @@ class Recorder:
         ``CommitInfo`` whose ``seq`` is the commit that made these events durable and
         whose ``first_lsn..last_lsn`` are these events' LSNs; it fails with
         ``ValidationError`` when one of them is bad (nothing of them is written, the
-        other producers' records are not affected). Safe from any thread; ``cancel()``
-        succeeds until the record joins a window.
+        other producers' records are not affected). Safe from any thread of this process
+        (a forked child gets ``PoimenError``); ``cancel()`` succeeds until the record joins
+        a window. Its done-callbacks run on the committer thread: see ``_RecordFuture``.
         """
+        self._check_process()
         with self._cond:
             if self._closed:
                 raise PoimenError("recorder is closed")
@@ -201,7 +235,7 @@ class Recorder:
         with self._cond:
             if self._closed:
                 raise PoimenError("recorder is closed")
-            rec = _Record(self._next_no, evs, bodies, nbytes, refs)
+            rec = _Record(self._next_no, evs, bodies, nbytes, refs, _RecordFuture(self))
             self._next_no += 1
             self._inbox.append(rec)
             self._cond.notify()
@@ -252,8 +286,27 @@ class Recorder:
 
     # -- draining --------------------------------------------------------------------
 
+    def _check_process(self) -> None:
+        if self._forked:
+            raise PoimenError("this recorder belongs to the process that forked this one "
+                              "(its threads are not here): open a recorder in this process")
+
+    def _check_wait(self, fut: Future[CommitInfo]) -> None:
+        """Refuse a wait that could never end (see ``_RecordFuture``)."""
+        if fut.done():
+            return
+        self._check_process()
+        if threading.current_thread() in (self._gatherer, self._committer):
+            raise PoimenError("waiting for a record on the recorder's own thread (from a "
+                              "done-callback) would never end: hand the wait to another "
+                              "thread, or use arecord")
+
     def flush(self) -> None:
         """Wait until every record handed over before this call is resolved."""
+        self._check_process()
+        if threading.current_thread() in (self._gatherer, self._committer):
+            raise PoimenError("flush on the recorder's own thread (from a done-callback) "
+                              "would never end: call it from another thread")
         with self._cond:
             target = self._next_no - 1
             self._flushing += 1
@@ -265,7 +318,10 @@ class Recorder:
                 self._flushing -= 1
 
     def close(self) -> None:
-        """Commit what was handed over, then stop; ``record`` refuses from now on."""
+        """Commit what was handed over, then stop; ``record`` refuses from now on. In a
+        forked child it does nothing: what was handed over is the parent's to commit."""
+        if self._forked:
+            return
         with self._cond:
             if self._closed and not self._gatherer.is_alive() \
                     and not self._committer.is_alive():
@@ -291,8 +347,14 @@ class Recorder:
             tx = self.log.transaction()
             tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
             tx.defer_checkpoint = True  # after the futures resolve (see _commit)
-            tx.defer_sync()  # the pack and the segment made durable by one syncfs
             win = _Window(tx)
+            try:
+                tx.defer_sync()  # the pack and the segment made durable by one syncfs
+            except OSError:
+                # no descriptor for it (EMFILE, the root gone): this thread must live on,
+                # so the window gathers still and commits record by record, where each
+                # record hears its own error (or lands, should the cause have passed)
+                win.poisoned = True
             try:
                 self._fill(win)
                 self._close(win)
