@@ -28,6 +28,7 @@ from poimen_data.fold._fold import VIEWS
 from poimen_data.log._recorder import Recorder, blob_ref
 
 CHILD = str(Path(__file__).with_name("child_recorder.py"))
+HARDENING = str(Path(__file__).with_name("child_recorder_hardening.py"))
 TS = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 SHARED = b"shared system output " * 200  # the same body in many records (deduplicated)
 NEVER = 10**9  # max_delay_ms: windows close only by their limits or by flush
@@ -360,140 +361,76 @@ def test_a_forked_child_holds_none_of_its_parents_pack_bytes(tmp_path: Path) -> 
     assert _log._RETAINED.used == 0 and log.blobs.get(ref) == body
 
 
-_HARDENING = """
-import errno, json, os, resource, sys
-import poimen_data as pdm
-from poimen_data import events as E
-from poimen_data.errors import PoimenError
-from poimen_data.log._recorder import blob_ref
-
-def attempt(run):
-    body = f"prompt of {run} ".encode() * 50
-    ref = blob_ref("acme", body)
-    return [E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=ref)], {ref: body}
-
-def refused(call):
-    try:
-        call()
-    except PoimenError as exc:
-        return str(exc)
-    return None
-
-log = pdm.open_log(sys.argv[2])
-out = {}
-if sys.argv[1] == "emfile":
-    with log.recorder(max_delay_ms=10**9) as rec:
-        evs, blobs = attempt("before")
-        out["before"] = rec.record(evs, blobs=blobs)
-        rec.flush()
-        log.flush()  # its promotion done before the descriptors run out
-        resource.setrlimit(resource.RLIMIT_NOFILE,
-                           (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-        held = []
-        try:
-            while True:
-                held.append(os.open(os.devnull, os.O_RDONLY))
-        except OSError:
-            pass
-        evs, blobs = attempt("during")
-        out["during"] = rec.record(evs, blobs=blobs)
-        rec.flush()  # the gatherer cannot open syncfs's descriptor: it must live on
-        for fd in held:
-            os.close(fd)
-        evs, blobs = attempt("after")
-        out["after"] = rec.record(evs, blobs=blobs)
-    exc = out["during"].exception()
-    print(json.dumps({"before": out["before"].result().seq,
-                      "during": [type(exc).__name__, getattr(exc, "errno", None) == errno.EMFILE],
-                      "after": out["after"].result().seq}))
-else:
-    rec = log.recorder(max_delay_ms=10**9)
-    evs, blobs = attempt("pending")
-    pending = rec.record(evs, blobs=blobs)  # gathered, its window not closed
-    rec._cond.acquire()  # the fork happens while the recorder's lock is held
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:  # exits normally: its atexit must not wait on that lock
-        evs, blobs = attempt("child")
-        print(json.dumps({"record": refused(lambda: rec.record(evs, blobs=blobs)),
-                          "result": refused(lambda: pending.result()),
-                          "flush": refused(rec.flush), "close": rec.close()}))
-        sys.exit(0)
-    rec._cond.release()
-    status = os.waitpid(pid, 0)[1]
-    rec.close()
-    print(json.dumps({"child_status": status, "pending": pending.result().seq}))
-"""
+FORKED = ("PoimenError: this recorder belongs to the process that forked this one (its "
+          "threads are not here): open a recorder in this process")
 
 
 def _hardening(kind: str, root: Path) -> list[Any]:
+    """Run ``child_recorder_hardening.py``: what it checks hung for ever before."""
     import json
 
-    done = subprocess.run([sys.executable, "-c", _HARDENING, kind, str(root)],
+    done = subprocess.run([sys.executable, HARDENING, kind, str(root)],
                           capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-def test_a_window_without_a_descriptor_for_syncfs_fails_its_records_and_goes_on(
+def test_a_window_without_a_descriptor_for_syncfs_is_synced_file_by_file(
         tmp_path: Path) -> None:
-    """Out of file descriptors, the gatherer cannot open the one ``syncfs`` needs: the
-    window's records fail with that error (the gatherer thread dying instead left every
-    later record pending for ever), and once descriptors are free again records land."""
+    """Out of file descriptors, the gatherer cannot open the one ``syncfs`` needs (the
+    thread died of it, and every later record waited for ever). The window then fsyncs
+    each file: it fails whole while descriptors stay short, and lands whole, as one
+    commit, once they are back before its files are written."""
     root = tmp_path / "log"
     pdm.open_log(str(root))
     [out] = _hardening("emfile", root)
-    assert out == {"before": 1, "during": ["OSError", True], "after": 2}
+    assert out == {"during": ["OSError", True], "before": 1, "a": 2, "b": 2, "after": 3}
     log = pdm.open_log(str(root))
-    assert [r[1] for r in _rows(log)] == ["before", "after"]
-    assert not list(log.storage.walk_files("_staging"))  # nothing of it left behind
+    assert [r[1] for r in _rows(log)] == ["before", "a", "b", "after"]
+    assert not list(log.storage.walk_files("_staging"))  # nothing of "during" is left
 
 
 def test_a_forked_child_refuses_its_parents_recorder_and_exits(tmp_path: Path) -> None:
-    """A forked child has none of the recorder's threads, and its lock may have been held
-    at the fork: recording, waiting and flushing raise ``PoimenError`` there at once (they
-    waited for ever), ``close`` and the child's exit return; the parent goes on."""
+    """A forked child has none of the recorder's threads, and the recorder's lock and a
+    future's were held at the fork: recording, waiting for a pending record and flushing
+    raise ``PoimenError`` there at once, a resolved record reads as usual, ``close`` and
+    the child's exit return; the parent goes on."""
     root = tmp_path / "log"
     pdm.open_log(str(root))
     child, parent = _hardening("fork", root)
-    assert child["record"] == child["flush"] == (
-        "this recorder belongs to the process that forked this one (its threads are not "
-        "here): open a recorder in this process")
-    assert child["result"] == child["record"] and child["close"] is None
-    assert parent == {"child_status": 0, "pending": 1}
-    assert [r[1] for r in _rows(pdm.open_log(str(root)))] == ["pending"]
+    assert child == {"record": FORKED, "result": FORKED, "exception": FORKED,
+                     "flush": FORKED, "close": None, "states": [False, False, True],
+                     "done": str(pdm.CommitInfo(1, 1, 1))}
+    assert parent == {"child_status": 0, "pending": 2}
+    assert [r[1] for r in _rows(pdm.open_log(str(root)))] == ["done", "pending"]
 
 
-def test_waiting_for_a_record_from_a_done_callback_raises_instead_of_hanging(
-        tmp_path: Path) -> None:
+def test_done_callbacks_cannot_wait_on_the_committer_or_stop_it(tmp_path: Path) -> None:
     """Done-callbacks run on the committer thread: waiting there for a record it has not
-    resolved yet (the next one of the same window), or flushing, would wait for itself."""
-    log = pdm.open_log(str(tmp_path / "log"), durable=False)
-    seen: list[str] = []
-
-    def waits(_f: Future[Any]) -> None:
-        for call in (lambda: second.result(timeout=5), lambda: second.exception(timeout=5),
-                     rec.flush):
-            try:
-                call()
-                seen.append("returned")
-            except BaseException as exc:  # noqa: BLE001 - what it raised is the result
-                seen.append(f"{type(exc).__name__}: {exc}")
-
-    with log.recorder(max_delay_ms=NEVER) as rec:
-        first = rec.record(_start(1)[0][0])
-        second = rec.record([E.RunFinished("acme", "run-0", "succeeded")])
-        first.add_done_callback(waits)
-        rec.flush()  # the window closes: its commit resolves first, then second
-        assert second.result(timeout=0) == pdm.CommitInfo(1, 2, 2)
-        # once resolved, a future's result is there on any thread
-        first.add_done_callback(lambda f: seen.append(str(second.result())))
+    resolved yet (the next of the same window) or flushing would wait for itself, and a
+    ``sys.exit()`` there would end it; all raise or are logged, and it goes on."""
+    root = tmp_path / "log"
+    pdm.open_log(str(root))
+    [out] = _hardening("callback", root)
     wait = ("PoimenError: waiting for a record on the recorder's own thread (from a "
             "done-callback) would never end: hand the wait to another thread, or use arecord")
-    assert seen == [wait, wait, "PoimenError: flush on the recorder's own thread (from a "
-                    "done-callback) would never end: call it from another thread",
-                    str(pdm.CommitInfo(1, 2, 2))]
-    assert log.head == 2
+    assert out == {"seen": [wait, wait, "PoimenError: flush on the recorder's own thread "
+                            "(from a done-callback) would never end: call it from another "
+                            "thread", "TimeoutError: ", str(pdm.CommitInfo(1, 1, 1))],
+                   "seqs": [1, 1, 2]}
+
+
+def test_a_recorder_whose_thread_stopped_fails_its_records_and_refuses(
+        tmp_path: Path) -> None:
+    """The net under the recorder's threads: should one stop on an error it was not made
+    for (here the gatherer cannot open a transaction), every pending record fails with
+    that error, ``record`` refuses, ``flush`` and ``close`` return."""
+    root = tmp_path / "log"
+    pdm.open_log(str(root))
+    [out] = _hardening("stopped", root)
+    assert out == {"lost": "RuntimeError: no transaction",
+                   "again": "PoimenError: recorder stopped: RuntimeError('no transaction')",
+                   "close": None, "head": 0}
 
 
 def test_s3_many_producers_make_one_manifest(s3: Any) -> None:

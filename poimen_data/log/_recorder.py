@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import hashlib
+import logging
 import math
 import os
 import threading
@@ -16,7 +17,7 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from poimen_data.model._arrow import events_to_table
 if TYPE_CHECKING:
     from poimen_data.log._log import EventLog
 
+_logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _now = time.monotonic  # the windows' clock (a test moves it by hand)
 KNOWN_BODIES = 65_536
@@ -45,34 +47,83 @@ def _close_all() -> None:
             pass
 
 
-def _forget_in_child() -> None:
-    """A forked child has none of its parent's recorder threads, and a recorder's lock may
-    have been held when it forked: its recorders refuse from now on, without touching
-    that lock, and are not drained at its exit."""
-    for rec in list(_LIVE):
-        rec._forked = True
-    _LIVE.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 class _RecordFuture(Future[CommitInfo]):
-    """A record's future. Its done-callbacks run on the recorder's committer thread; one
-    that waited there for a record not yet resolved would wait for itself, so that raises
-    ``PoimenError`` instead (``arecord`` and callbacks that only hand work on are fine)."""
+    """A record's future, as ``concurrent.futures`` makes them, with three guards.
 
-    def __init__(self, owner: Recorder) -> None:
+    - Its done-callbacks run on the recorder's committer thread. One that raised a
+      ``BaseException`` (``sys.exit()``) would escape into the committer, so it is logged
+      like any other callback error; and one that waited there without a timeout for a
+      record not yet resolved would wait for itself, so that raises ``PoimenError``.
+    - In a forked child the recorder's threads are gone and this future's lock may have
+      been held at the fork: its state is read without the lock, a pending one raises
+      ``PoimenError`` when waited for, and it cannot be cancelled or given callbacks.
+    """
+
+    def __init__(self, pid: int, threads: tuple[threading.Thread, ...]) -> None:
         super().__init__()
-        self._owner = owner
+        self._pid = pid
+        self._threads = threads  # the gatherer and the committer (not the recorder)
+
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _check_wait(self, timeout: float | None) -> None:
+        if timeout is None and threading.current_thread() in self._threads \
+                and not super().done():
+            raise PoimenError("waiting for a record on the recorder's own thread (from a "
+                              "done-callback) would never end: hand the wait to another "
+                              "thread, or use arecord")
+
+    def _in_child(self) -> BaseException | None:
+        """This future as a forked child sees it, read without its lock: the exception
+        it finished with, or ``PoimenError`` while it is pending."""
+        if self._state in ("PENDING", "RUNNING"):
+            raise PoimenError(_FORKED)
+        if self._state != "FINISHED":
+            raise CancelledError()
+        return self._exception
+
+    def done(self) -> bool:
+        if self._forked():
+            return self._state not in ("PENDING", "RUNNING")
+        return super().done()
 
     def result(self, timeout: float | None = None) -> CommitInfo:
-        self._owner._check_wait(self)
+        if self._forked():
+            exc = self._in_child()
+            if exc is not None:
+                raise exc
+            return self._result  # type: ignore[return-value]
+        self._check_wait(timeout)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._owner._check_wait(self)
+        if self._forked():
+            return self._in_child()
+        self._check_wait(timeout)
         return super().exception(timeout)
+
+    def cancel(self) -> bool:
+        return False if self._forked() else super().cancel()
+
+    def add_done_callback(self, fn: Any) -> None:
+        if self._forked():
+            raise PoimenError(_FORKED)
+        threads = self._threads
+
+        def guarded(fut: Future[CommitInfo]) -> None:
+            try:
+                fn(fut)
+            except BaseException:
+                if threading.current_thread() not in threads:
+                    raise  # the caller's own thread (a future already done): as usual
+                _logger.exception("exception calling callback for %r", fut)
+
+        super().add_done_callback(guarded)
+
+
+_FORKED = ("this recorder belongs to the process that forked this one (its threads are not "
+           "here): open a recorder in this process")
 
 
 def blob_ref(tenant: str, data: bytes) -> ev.BlobRef:
@@ -181,9 +232,11 @@ class Recorder:
         self._done_no = 0  # every record numbered up to this one is resolved
         self._flushing = 0  # flush() calls waiting: close windows without the delay
         self._closed = False
-        self._forked = False  # this is a forked child's copy (see _forget_in_child)
+        self._pid = os.getpid()  # a forked child's copy refuses (see _check_process)
+        self._broken: BaseException | None = None  # what stopped a thread of it
         self._ready: _Window | object | None = None  # closed window handed to the committer
         self._busy = False  # the committer is publishing a window
+        self._committing: _Window | None = None  # ... this one
         self._contended = False  # the last publish lost a race to another writer
         self._retries = log.publish_retries
         # bodies this recorder committed lately (the gatherer reads, the committer writes)
@@ -192,6 +245,7 @@ class Recorder:
                                           name="poimen-recorder-gather")
         self._committer = threading.Thread(target=self._commit_loop, daemon=True,
                                            name="poimen-recorder-commit")
+        self._threads = (self._gatherer, self._committer)
         self._gatherer.start()
         self._committer.start()
         _LIVE.add(self)
@@ -225,7 +279,7 @@ class Recorder:
         self._check_process()
         with self._cond:
             if self._closed:
-                raise PoimenError("recorder is closed")
+                raise self._refusal()
         try:
             evs, bodies, nbytes, refs = self._check(events, blobs)
         except ValidationError as exc:
@@ -234,12 +288,17 @@ class Recorder:
             return failed
         with self._cond:
             if self._closed:
-                raise PoimenError("recorder is closed")
-            rec = _Record(self._next_no, evs, bodies, nbytes, refs, _RecordFuture(self))
+                raise self._refusal()
+            rec = _Record(self._next_no, evs, bodies, nbytes, refs,
+                          _RecordFuture(self._pid, self._threads))
             self._next_no += 1
             self._inbox.append(rec)
             self._cond.notify()
         return rec.future
+
+    def _refusal(self) -> PoimenError:
+        return PoimenError("recorder is closed" if self._broken is None
+                           else f"recorder stopped: {self._broken!r}")
 
     async def arecord(self, events: Iterable[ev.Event], *,
                       blobs: Mapping[ev.BlobRef, bytes] | None = None) -> CommitInfo:
@@ -287,24 +346,13 @@ class Recorder:
     # -- draining --------------------------------------------------------------------
 
     def _check_process(self) -> None:
-        if self._forked:
-            raise PoimenError("this recorder belongs to the process that forked this one "
-                              "(its threads are not here): open a recorder in this process")
-
-    def _check_wait(self, fut: Future[CommitInfo]) -> None:
-        """Refuse a wait that could never end (see ``_RecordFuture``)."""
-        if fut.done():
-            return
-        self._check_process()
-        if threading.current_thread() in (self._gatherer, self._committer):
-            raise PoimenError("waiting for a record on the recorder's own thread (from a "
-                              "done-callback) would never end: hand the wait to another "
-                              "thread, or use arecord")
+        if os.getpid() != self._pid:
+            raise PoimenError(_FORKED)
 
     def flush(self) -> None:
         """Wait until every record handed over before this call is resolved."""
         self._check_process()
-        if threading.current_thread() in (self._gatherer, self._committer):
+        if threading.current_thread() in self._threads:
             raise PoimenError("flush on the recorder's own thread (from a done-callback) "
                               "would never end: call it from another thread")
         with self._cond:
@@ -320,7 +368,7 @@ class Recorder:
     def close(self) -> None:
         """Commit what was handed over, then stop; ``record`` refuses from now on. In a
         forked child it does nothing: what was handed over is the parent's to commit."""
-        if self._forked:
+        if os.getpid() != self._pid:
             return
         with self._cond:
             if self._closed and not self._gatherer.is_alive() \
@@ -329,7 +377,7 @@ class Recorder:
             self._closed = True
             self._cond.notify_all()
             self._commit_cv.notify_all()
-        if threading.current_thread() not in (self._gatherer, self._committer):
+        if threading.current_thread() not in self._threads:
             self._gatherer.join()
             self._committer.join()
         _LIVE.discard(self)
@@ -337,33 +385,68 @@ class Recorder:
     # -- the gatherer: opens a window, stages each record's bodies and events into it ---
 
     def _gather_loop(self) -> None:
-        while True:
+        try:
+            while self._gather():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - never leave a record pending
+            self._stop(exc)
+
+    def _gather(self) -> bool:
+        """Open, fill and close one window, and hand it over; False once stopped."""
+        with self._cond:
+            while not self._inbox and not self._closed:
+                self._cond.wait()
+            if not self._inbox:
+                self._hand(_STOP)
+                return False
+        tx = self.log.transaction()
+        tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
+        tx.defer_checkpoint = True  # after the futures resolve (see _commit)
+        win = _Window(tx)
+        try:
+            tx.defer_sync()  # the pack and the segment made durable by one syncfs
+        except OSError as exc:
+            # no descriptor for it (EMFILE, the root gone): each file is then fsynced as
+            # it is written, and the window lands or fails whole as any commit does
+            _logger.warning("%s: a window's files are synced one by one: %s",
+                            self.log.root, exc)
+        try:
+            self._fill(win)
+            self._close(win)
+        except BaseException as exc:  # noqa: BLE001 - its producers hear of it
+            win.poisoned = True
+            self._fail(win.records, exc)
+            win.records = []
+        with self._cond:
+            self._hand(win)
+        return True
+
+    def _stop(self, exc: BaseException) -> None:
+        """A thread of the recorder met what it cannot go on from (it does not, by design;
+        this is the net under that): every record not resolved yet fails with ``exc``,
+        ``record`` refuses from now on, ``flush`` and ``close`` return. A window the
+        committer is publishing is its own to finish; it then takes the stop mark."""
+        _logger.error("%s: recorder stopped: %r", self.log.root, exc)
+        committer = threading.current_thread() is self._committer
+        with self._cond:
+            self._broken = exc
+            self._closed = True
+            records = list(self._inbox)
+            self._inbox.clear()
+            windows = [self._ready, self._committing] if committer else [self._ready]
+            dropped = [w for w in windows if isinstance(w, _Window)]
+            self._ready = _STOP  # the committer, if alive, ends; _hand drops windows
+            self._cond.notify_all()
+            self._commit_cv.notify_all()
+        for rec in records:
+            rec.future.set_running_or_notify_cancel()
+        self._fail(records, exc)
+        for win in dropped:
+            self._drop(win, exc)
+        if committer:  # else the committer does, when it takes the stop mark
             with self._cond:
-                while not self._inbox and not self._closed:
-                    self._cond.wait()
-                if not self._inbox:
-                    self._hand(_STOP)
-                    return
-            tx = self.log.transaction()
-            tx.pack_bodies = True  # one file (or one PUT) for the window's new bodies
-            tx.defer_checkpoint = True  # after the futures resolve (see _commit)
-            win = _Window(tx)
-            try:
-                tx.defer_sync()  # the pack and the segment made durable by one syncfs
-            except OSError:
-                # no descriptor for it (EMFILE, the root gone): this thread must live on,
-                # so the window gathers still and commits record by record, where each
-                # record hears its own error (or lands, should the cause have passed)
-                win.poisoned = True
-            try:
-                self._fill(win)
-                self._close(win)
-            except BaseException as exc:  # noqa: BLE001 - its producers hear of it
-                win.poisoned = True
-                self._fail(win.records, exc)
-                win.records = []
-            with self._cond:
-                self._hand(win)
+                self._done_no = self._next_no - 1
+                self._done_cv.notify_all()
 
     def _fill(self, win: _Window) -> None:
         while True:
@@ -376,6 +459,8 @@ class Recorder:
     def _next_for(self, win: _Window) -> _Record | None:
         """The next record for ``win``, or None when ``win`` should close (lock held)."""
         while True:
+            if self._broken is not None:
+                return None  # stopped: _hand fails what it gathered
             if self._inbox:
                 rec = self._inbox[0]
                 if win.records and (win.n_events + len(rec.events) > self.max_events
@@ -431,37 +516,62 @@ class Recorder:
 
     def _hand(self, win: _Window | object) -> None:
         """Give a closed window (or the stop mark) to the committer (lock held)."""
-        while self._ready is not None:
+        while self._ready is not None and self._broken is None:
             self._cond.wait()
+        if self._broken is not None:  # nobody takes it: its records fail now
+            if isinstance(win, _Window):
+                self._drop(win, self._broken)
+                self._done_no = self._next_no - 1
+                self._done_cv.notify_all()
+            return
         self._ready = win
         self._commit_cv.notify()
+
+    def _drop(self, win: _Window, exc: BaseException) -> None:
+        """Fail a window's records and remove what it staged (a stopped recorder's)."""
+        self._fail(win.records, exc)
+        try:
+            win.tx.abort()
+        except Exception as err:  # noqa: BLE001 - vacuum removes what it left
+            _logger.warning("%s: aborting a window failed: %s", self.log.root, err)
 
     # -- the committer: publishes windows in order -------------------------------------
 
     def _commit_loop(self) -> None:
+        try:
+            self._commit_windows()
+        except BaseException as exc:  # noqa: BLE001 - never leave a record pending
+            self._stop(exc)
+
+    def _commit_windows(self) -> None:
         while True:
             with self._cond:
                 while self._ready is None:
                     self._commit_cv.wait()
                 win, self._ready = self._ready, None
-                self._busy = True
+                if win is _STOP:
+                    self._done_no = self._next_no - 1  # (all resolved, or failed by _stop)
+                    self._done_cv.notify_all()
+                    return
+                assert isinstance(win, _Window)
+                self._busy, self._committing = True, win
                 self._cond.notify()
-            if win is _STOP:
-                return
-            assert isinstance(win, _Window)
             try:
                 self._commit(win)
             except BaseException as exc:  # noqa: BLE001 - never leave a future pending
                 self._fail(win.records, exc)
             with self._cond:
-                self._busy = False
+                self._busy, self._committing = False, None
                 self._done_no = win.last_no  # windows are published in order
                 self._cond.notify()
                 self._done_cv.notify_all()
 
     def _commit(self, win: _Window) -> None:
         if not win.records or win.poisoned:
-            win.tx.abort()
+            try:
+                win.tx.abort()
+            except Exception as exc:  # noqa: BLE001 - vacuum removes what it left
+                _logger.warning("%s: aborting a window failed: %s", self.log.root, exc)
             self._one_by_one(win.records)
             return
         try:

@@ -1,0 +1,131 @@
+"""Recorder cases that hung for ever before they were mended, each run in its own process
+(``python tests/child_recorder_hardening.py KIND ROOT``, KIND one of emfile, callback,
+fork, stopped) so that a regression fails by the parent's timeout instead of hanging the
+suite; prints its findings as JSON lines for ``test_recorder.py`` to compare.
+"""
+
+import errno
+import json
+import os
+import resource
+import sys
+import threading
+
+import poimen_data as pdm
+from poimen_data import events as E
+from poimen_data.log._recorder import blob_ref
+
+
+def attempt(run):
+    body = f"prompt of {run} ".encode() * 50
+    ref = blob_ref("acme", body)
+    return [E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=ref)], {ref: body}
+
+def outcome(call):
+    try:
+        got = call()
+    except BaseException as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if got is None else str(got)
+
+def exhaust():
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        return held
+
+log = pdm.open_log(sys.argv[2])
+kind = sys.argv[1]
+if kind == "emfile":
+    resource.setrlimit(resource.RLIMIT_NOFILE,
+                       (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    tried = threading.Event()  # the gatherer tried to open syncfs's descriptor
+    opened = log.storage.durable_batch
+    def durable_batch():
+        try:
+            return opened()
+        finally:
+            tried.set()
+    log.storage.durable_batch = durable_batch
+    out = {}
+    with log.recorder(max_delay_ms=10**9) as rec:
+        def record(run):
+            evs, blobs = attempt(run)
+            out[run] = rec.record(evs, blobs=blobs)
+        record("before")
+        rec.flush()
+        log.flush()  # its promotion done before the descriptors run out
+        held = exhaust()
+        tried.clear()
+        record("during")  # no descriptor for syncfs, nor for any file of the window
+        rec.flush()
+        for fd in held:
+            os.close(fd)
+        held = exhaust()
+        tried.clear()
+        record("a")
+        assert tried.wait(timeout=60)  # its window opened without syncfs's descriptor
+        for fd in held:  # ... and has descriptors again for its files
+            os.close(fd)
+        record("b")
+        rec.flush()
+        record("after")
+    exc = out["during"].exception()
+    print(json.dumps({"during": [type(exc).__name__, exc.errno == errno.EMFILE],
+                      **{k: out[k].result().seq for k in ("before", "a", "b", "after")}}))
+elif kind == "callback":
+    seen = []
+    rec = log.recorder(max_delay_ms=10**9)
+    def waits(_f):
+        seen.extend(outcome(c) for c in (second.result, second.exception, rec.flush,
+                                         lambda: second.result(timeout=0)))
+    evs, blobs = attempt("first")
+    first = rec.record(evs, blobs=blobs)
+    evs, blobs = attempt("second")
+    second = rec.record(evs, blobs=blobs)
+    first.add_done_callback(waits)
+    first.add_done_callback(lambda f: sys.exit(3))  # logged; the committer goes on
+    second.add_done_callback(lambda f: seen.append(outcome(first.result)))  # resolved
+    rec.flush()  # the window closes: first resolves, then second
+    evs, blobs = attempt("third")
+    third = rec.record(evs, blobs=blobs)
+    rec.close()
+    print(json.dumps({"seen": seen, "seqs": [f.result().seq for f in (first, second, third)]}))
+elif kind == "stopped":
+    rec = log.recorder(max_delay_ms=10**9)
+    def broken():
+        raise RuntimeError("no transaction")
+    log.transaction = broken  # the gatherer cannot open a window: the net under it
+    evs, blobs = attempt("lost")
+    lost = rec.record(evs, blobs=blobs)
+    exc = lost.exception()  # it waited for ever: the gatherer thread had died
+    rec.flush()
+    print(json.dumps({"lost": outcome(lost.result), "again": outcome(lambda: rec.record(evs)),
+                      "close": outcome(rec.close), "head": log.head}))
+else:
+    rec = log.recorder(max_delay_ms=10**9)
+    evs, blobs = attempt("done")
+    done = rec.record(evs, blobs=blobs)
+    rec.flush()
+    evs, blobs = attempt("pending")
+    pending = rec.record(evs, blobs=blobs)  # gathered, its window not closed
+    rec._cond.acquire()  # the fork happens while the recorder's lock is held
+    pending._condition.acquire()  # ... and the future's own
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # exits normally: its atexit must not wait on either lock
+        evs, blobs = attempt("child")
+        print(json.dumps({"record": outcome(lambda: rec.record(evs, blobs=blobs)),
+                          "result": outcome(pending.result),
+                          "exception": outcome(pending.exception),
+                          "flush": outcome(rec.flush), "close": outcome(rec.close),
+                          "states": [pending.done(), pending.cancel(), done.done()],
+                          "done": outcome(done.result)}))
+        sys.exit(0)
+    pending._condition.release()
+    rec._cond.release()
+    status = os.waitpid(pid, 0)[1]
+    rec.close()
+    print(json.dumps({"child_status": status, "pending": pending.result().seq}))
