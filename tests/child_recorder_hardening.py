@@ -1,13 +1,14 @@
 """Recorder cases that hung for ever before they were mended, each run in its own process
 (``python tests/child_recorder_hardening.py KIND ROOT``, KIND one of emfile, callback,
-fork, stopped) so that a regression fails by the parent's timeout instead of hanging the
-suite; prints its findings as JSON lines for ``test_recorder.py`` to compare.
+fork, stopped, committer) so that a regression fails by the parent's timeout instead of
+hanging the suite; prints its findings as JSON lines for ``test_recorder.py`` to compare.
 """
 
 import errno
 import json
 import os
 import resource
+import signal
 import sys
 import threading
 
@@ -36,16 +37,37 @@ def exhaust():
     except OSError:
         return held
 
+def watch_joins(log):
+    """An event set each time a record with a body joins a window (its future is running
+    then): the gatherer's transactions report each body staged."""
+    joined = threading.Event()
+    opened = log.transaction
+    def transaction():
+        tx = opened()
+        put = tx.put_checked
+        def put_checked(*args, **kw):
+            ref = put(*args, **kw)
+            joined.set()
+            return ref
+        tx.put_checked = put_checked
+        return tx
+    log.transaction = transaction
+    return joined
+
 log = pdm.open_log(sys.argv[2])
 kind = sys.argv[1]
 if kind == "emfile":
     resource.setrlimit(resource.RLIMIT_NOFILE,
                        (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     tried = threading.Event()  # the gatherer tried to open syncfs's descriptor
+    refused = []
     opened = log.storage.durable_batch
     def durable_batch():
         try:
             return opened()
+        except OSError as exc:
+            refused.append(exc.errno == errno.EMFILE)
+            raise
         finally:
             tried.set()
     log.storage.durable_batch = durable_batch
@@ -74,6 +96,7 @@ if kind == "emfile":
         record("after")
     exc = out["during"].exception()
     print(json.dumps({"during": [type(exc).__name__, exc.errno == errno.EMFILE],
+                      "refused": refused,
                       **{k: out[k].result().seq for k in ("before", "a", "b", "after")}}))
 elif kind == "callback":
     seen = []
@@ -100,32 +123,65 @@ elif kind == "stopped":
     log.transaction = broken  # the gatherer cannot open a window: the net under it
     evs, blobs = attempt("lost")
     lost = rec.record(evs, blobs=blobs)
-    exc = lost.exception()  # it waited for ever: the gatherer thread had died
-    rec.flush()
-    print(json.dumps({"lost": outcome(lost.result), "again": outcome(lambda: rec.record(evs)),
+    rec.flush()  # it waited for ever: the gatherer thread had died
+    print(json.dumps({"failed_by_flush": lost.done(), "lost": outcome(lost.result),
+                      "again": outcome(lambda: rec.record(evs)),
                       "close": outcome(rec.close), "head": log.head}))
+elif kind == "committer":
+    from poimen_data.log._recorder import Recorder
+    gate = threading.Event()
+    class Breaking(Recorder):
+        def _commit_windows(self):  # the committer stops on an error of its own
+            assert gate.wait(timeout=60)
+            raise RuntimeError("committer broke")
+    joined = watch_joins(log)
+    rec = Breaking(log, max_delay_ms=10**9)
+    retried = []
+    evs, blobs = attempt("held")
+    held = rec.record(evs, blobs=blobs)
+    # a retry from its callback, which runs on the gatherer dropping its window
+    held.add_done_callback(
+        lambda f: retried.append(outcome(lambda: rec.record(evs, blobs=blobs))))
+    assert joined.wait(timeout=60)  # "held" is in the gatherer's open window
+    gate.set()
+    rec.flush()
+    print(json.dumps({"failed_by_flush": held.done(), "held": outcome(held.result),
+                      "retried": retried, "close": outcome(rec.close), "head": log.head}))
 else:
+    joined = watch_joins(log)
     rec = log.recorder(max_delay_ms=10**9)
     evs, blobs = attempt("done")
     done = rec.record(evs, blobs=blobs)
     rec.flush()
+    joined.clear()
     evs, blobs = attempt("pending")
-    pending = rec.record(evs, blobs=blobs)  # gathered, its window not closed
+    pending = rec.record(evs, blobs=blobs)
+    assert joined.wait(timeout=60)  # in an open window: running
+    holding, release = threading.Event(), threading.Event()
+    def hold():  # as a committer resolving it would, on a thread the child has not
+        with pending._condition:
+            holding.set()
+            assert release.wait(timeout=60)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(timeout=60)
     rec._cond.acquire()  # the fork happens while the recorder's lock is held
-    pending._condition.acquire()  # ... and the future's own
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:  # exits normally: its atexit must not wait on either lock
+        signal.alarm(60)  # should it hang all the same: no orphan left behind
         evs, blobs = attempt("child")
         print(json.dumps({"record": outcome(lambda: rec.record(evs, blobs=blobs)),
                           "result": outcome(pending.result),
                           "exception": outcome(pending.exception),
                           "flush": outcome(rec.flush), "close": outcome(rec.close),
-                          "states": [pending.done(), pending.cancel(), done.done()],
+                          "states": [pending.done(), pending.running(), pending.cancelled(),
+                                     pending.cancel(), done.done()],
                           "done": outcome(done.result)}))
         sys.exit(0)
-    pending._condition.release()
     rec._cond.release()
+    release.set()
+    holder.join()
     status = os.waitpid(pid, 0)[1]
     rec.close()
     print(json.dumps({"child_status": status, "pending": pending.result().seq}))

@@ -384,7 +384,8 @@ def test_a_window_without_a_descriptor_for_syncfs_is_synced_file_by_file(
     root = tmp_path / "log"
     pdm.open_log(str(root))
     [out] = _hardening("emfile", root)
-    assert out == {"during": ["OSError", True], "before": 1, "a": 2, "b": 2, "after": 3}
+    assert out == {"during": ["OSError", True], "refused": [True, True], "before": 1,
+                   "a": 2, "b": 2, "after": 3}
     log = pdm.open_log(str(root))
     assert [r[1] for r in _rows(log)] == ["before", "a", "b", "after"]
     assert not list(log.storage.walk_files("_staging"))  # nothing of "during" is left
@@ -399,7 +400,8 @@ def test_a_forked_child_refuses_its_parents_recorder_and_exits(tmp_path: Path) -
     pdm.open_log(str(root))
     child, parent = _hardening("fork", root)
     assert child == {"record": FORKED, "result": FORKED, "exception": FORKED,
-                     "flush": FORKED, "close": None, "states": [False, False, True],
+                     "flush": FORKED, "close": None,
+                     "states": [False, True, False, False, True],
                      "done": str(pdm.CommitInfo(1, 1, 1))}
     assert parent == {"child_status": 0, "pending": 2}
     assert [r[1] for r in _rows(pdm.open_log(str(root)))] == ["done", "pending"]
@@ -428,9 +430,22 @@ def test_a_recorder_whose_thread_stopped_fails_its_records_and_refuses(
     root = tmp_path / "log"
     pdm.open_log(str(root))
     [out] = _hardening("stopped", root)
-    assert out == {"lost": "RuntimeError: no transaction",
+    assert out == {"failed_by_flush": True, "lost": "RuntimeError: no transaction",
                    "again": "PoimenError: recorder stopped: RuntimeError('no transaction')",
                    "close": None, "head": 0}
+
+
+def test_a_recorder_whose_committer_stopped_fails_the_gatherers_window(
+        tmp_path: Path) -> None:
+    """The same net on the committer's side, while the gatherer holds an open window: the
+    gatherer fails that window's records off its lock, so a callback retrying there is
+    refused instead of deadlocking, and ``flush`` returns once they have failed."""
+    root = tmp_path / "log"
+    pdm.open_log(str(root))
+    [out] = _hardening("committer", root)
+    stopped = "recorder stopped: RuntimeError('committer broke')"
+    assert out == {"failed_by_flush": True, "held": "RuntimeError: committer broke",
+                   "retried": [f"PoimenError: {stopped}"], "close": None, "head": 0}
 
 
 def test_s3_many_producers_make_one_manifest(s3: Any) -> None:

@@ -56,7 +56,8 @@ class _RecordFuture(Future[CommitInfo]):
       record not yet resolved would wait for itself, so that raises ``PoimenError``.
     - In a forked child the recorder's threads are gone and this future's lock may have
       been held at the fork: its state is read without the lock, a pending one raises
-      ``PoimenError`` when waited for, and it cannot be cancelled or given callbacks.
+      ``PoimenError`` when waited for, and it cannot be cancelled or given callbacks
+      (``concurrent.futures.wait`` and ``as_completed`` take the lock: not there).
     """
 
     def __init__(self, pid: int, threads: tuple[threading.Thread, ...]) -> None:
@@ -87,6 +88,14 @@ class _RecordFuture(Future[CommitInfo]):
         if self._forked():
             return self._state not in ("PENDING", "RUNNING")
         return super().done()
+
+    def running(self) -> bool:
+        return self._state == "RUNNING" if self._forked() else super().running()
+
+    def cancelled(self) -> bool:
+        if self._forked():
+            return self._state in ("CANCELLED", "CANCELLED_AND_NOTIFIED")
+        return super().cancelled()
 
     def result(self, timeout: float | None = None) -> CommitInfo:
         if self._forked():
@@ -234,6 +243,7 @@ class Recorder:
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy refuses (see _check_process)
         self._broken: BaseException | None = None  # what stopped a thread of it
+        self._alive = 2  # its threads still running (see _stop)
         self._ready: _Window | object | None = None  # closed window handed to the committer
         self._busy = False  # the committer is publishing a window
         self._committing: _Window | None = None  # ... this one
@@ -286,11 +296,11 @@ class Recorder:
             failed: Future[CommitInfo] = Future()
             failed.set_exception(exc)
             return failed
+        future = _RecordFuture(self._pid, self._threads)
         with self._cond:
             if self._closed:
                 raise self._refusal()
-            rec = _Record(self._next_no, evs, bodies, nbytes, refs,
-                          _RecordFuture(self._pid, self._threads))
+            rec = _Record(self._next_no, evs, bodies, nbytes, refs, future)
             self._next_no += 1
             self._inbox.append(rec)
             self._cond.notify()
@@ -360,7 +370,7 @@ class Recorder:
             self._flushing += 1
             self._cond.notify()
             try:
-                while self._done_no < target:
+                while self._done_no < target and (self._broken is None or self._alive):
                     self._done_cv.wait()
             finally:
                 self._flushing -= 1
@@ -390,6 +400,14 @@ class Recorder:
                 pass
         except BaseException as exc:  # noqa: BLE001 - never leave a record pending
             self._stop(exc)
+        finally:
+            self._exited()
+
+    def _exited(self) -> None:
+        """A recorder thread ends, with nothing pending left in its hands."""
+        with self._cond:
+            self._alive -= 1
+            self._done_cv.notify_all()
 
     def _gather(self) -> bool:
         """Open, fill and close one window, and hand it over; False once stopped."""
@@ -412,20 +430,26 @@ class Recorder:
                             self.log.root, exc)
         try:
             self._fill(win)
-            self._close(win)
+            if self._broken is None:
+                self._close(win)
         except BaseException as exc:  # noqa: BLE001 - its producers hear of it
             win.poisoned = True
             self._fail(win.records, exc)
             win.records = []
         with self._cond:
-            self._hand(win)
-        return True
+            handed = self._hand(win)
+        if not handed:  # stopped: failed here, off the lock (callbacks, abort's I/O)
+            assert self._broken is not None
+            self._drop(win, self._broken)
+        return handed
 
     def _stop(self, exc: BaseException) -> None:
         """A thread of the recorder met what it cannot go on from (it does not, by design;
         this is the net under that): every record not resolved yet fails with ``exc``,
-        ``record`` refuses from now on, ``flush`` and ``close`` return. A window the
-        committer is publishing is its own to finish; it then takes the stop mark."""
+        ``record`` refuses from now on, ``flush`` returns once both threads have ended,
+        ``close`` returns. Each thread fails what it holds: a window the committer is
+        publishing is its own to finish (it then takes the stop mark), a window the
+        gatherer fills is the gatherer's to drop."""
         _logger.error("%s: recorder stopped: %r", self.log.root, exc)
         committer = threading.current_thread() is self._committer
         with self._cond:
@@ -443,10 +467,6 @@ class Recorder:
         self._fail(records, exc)
         for win in dropped:
             self._drop(win, exc)
-        if committer:  # else the committer does, when it takes the stop mark
-            with self._cond:
-                self._done_no = self._next_no - 1
-                self._done_cv.notify_all()
 
     def _fill(self, win: _Window) -> None:
         while True:
@@ -514,18 +534,16 @@ class Recorder:
         except Exception:  # noqa: BLE001 - the commit then goes record by record
             win.poisoned = True
 
-    def _hand(self, win: _Window | object) -> None:
-        """Give a closed window (or the stop mark) to the committer (lock held)."""
+    def _hand(self, win: _Window | object) -> bool:
+        """Give a closed window (or the stop mark) to the committer (lock held); False
+        when the recorder has stopped (nobody takes it)."""
         while self._ready is not None and self._broken is None:
             self._cond.wait()
-        if self._broken is not None:  # nobody takes it: its records fail now
-            if isinstance(win, _Window):
-                self._drop(win, self._broken)
-                self._done_no = self._next_no - 1
-                self._done_cv.notify_all()
-            return
+        if self._broken is not None:
+            return False
         self._ready = win
         self._commit_cv.notify()
+        return True
 
     def _drop(self, win: _Window, exc: BaseException) -> None:
         """Fail a window's records and remove what it staged (a stopped recorder's)."""
@@ -542,6 +560,8 @@ class Recorder:
             self._commit_windows()
         except BaseException as exc:  # noqa: BLE001 - never leave a record pending
             self._stop(exc)
+        finally:
+            self._exited()
 
     def _commit_windows(self) -> None:
         while True:
@@ -550,8 +570,6 @@ class Recorder:
                     self._commit_cv.wait()
                 win, self._ready = self._ready, None
                 if win is _STOP:
-                    self._done_no = self._next_no - 1  # (all resolved, or failed by _stop)
-                    self._done_cv.notify_all()
                     return
                 assert isinstance(win, _Window)
                 self._busy, self._committing = True, win
