@@ -78,7 +78,7 @@ class _RecordFuture(Future[CommitInfo]):
     def _in_child(self) -> BaseException | None:
         """This future as a forked child sees it, read without its lock: the exception
         it finished with, or ``PoimenError`` while it is pending."""
-        if self._state in ("PENDING", "RUNNING"):
+        if self._state in _UNDONE:
             raise PoimenError(_FORKED)
         if self._state != "FINISHED":
             raise CancelledError()
@@ -86,7 +86,7 @@ class _RecordFuture(Future[CommitInfo]):
 
     def done(self) -> bool:
         if self._forked():
-            return self._state not in ("PENDING", "RUNNING")
+            return self._state not in _UNDONE
         return super().done()
 
     def running(self) -> bool:
@@ -131,6 +131,7 @@ class _RecordFuture(Future[CommitInfo]):
         super().add_done_callback(guarded)
 
 
+_UNDONE = ("PENDING", "RUNNING")  # concurrent.futures' states of a future not done yet
 _FORKED = ("this recorder belongs to the process that forked this one (its threads are not "
            "here): open a recorder in this process")
 
