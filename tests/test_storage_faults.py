@@ -21,6 +21,7 @@ import poimen_data as pdm
 from poimen_data import events as E
 from poimen_data.cli import app
 from poimen_data.jobs._maint import LEASE, lease
+from poimen_data.log._recorder import blob_ref
 
 
 def _s3_log(s3: S3Endpoint, **kw: object) -> tuple[str, pdm.EventLog]:
@@ -287,3 +288,51 @@ def test_two_promoters_of_one_body_never_fail_with_a_raw_error(tmp_path: Path) -
         outcomes.append(tuple(sorted(got)))
         assert st.read(f"blobs/a/{i:03d}/x") == b"body"
     assert set(outcomes) <= {("gone", "moved")}
+
+
+def test_a_log_directory_moved_away_under_a_writer_is_not_made_again(tmp_path: Path) -> None:
+    """A live writer whose log's directory is moved away (or deleted) fails its writes
+    with ``StorageError`` naming it, through a transaction and through a recorder, and
+    never makes that directory again (``os.makedirs`` did: a commit then landed in a new,
+    partial log there); put back, the log goes on whole."""
+    import os
+    import re
+
+    root, moved = tmp_path / "log", tmp_path / "moved"
+    log = pdm.open_log(str(root))
+
+    def attempt(run: str) -> tuple[list[E.Event], dict[pdm.BlobRef, bytes]]:
+        body = f"prompt of {run} ".encode() * 50
+        ref = blob_ref("acme", body)
+        return [E.RunStarted("acme", run, "wf"),
+                E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=ref)], {ref: body}
+
+    def commit(run: str) -> pdm.CommitInfo:
+        evs, blobs = attempt(run)
+        with log.transaction() as tx:
+            for body in blobs.values():
+                tx.put_blob("acme", body)
+            tx.extend(evs)
+        assert tx.commit_info is not None
+        return tx.commit_info
+
+    assert commit("before").seq == 1
+    log.flush()  # its promotion done
+    os.rename(root, moved)
+    gone = f"{root}: the log's directory is gone (deleted or moved away while open)"
+    with pytest.raises(pdm.StorageError, match=re.escape(gone)):
+        commit("moved")
+    with log.recorder(max_delay_ms=0) as rec:
+        evs, blobs = attempt("recorded")
+        failed = rec.record(evs, blobs=blobs).exception(timeout=60)
+    assert isinstance(failed, pdm.StorageError) and str(failed).startswith(gone)
+    assert not root.exists()
+    os.rename(moved, root)
+    assert commit("after").seq == 2
+    log.flush()
+    again = pdm.open_log(str(root))
+    events = again.read_events().to_pylist()
+    assert [(e["run_id"], e["kind"]) for e in events] == [
+        ("before", "run_started"), ("before", "attempt_dispatched"),
+        ("after", "run_started"), ("after", "attempt_dispatched")]
+    assert not list(again.storage.walk_files("_staging"))

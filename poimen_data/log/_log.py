@@ -1009,6 +1009,7 @@ def open_log(
         storage.put_if_absent("_poimen.json", dumps(config))
         raw = storage.read("_poimen.json")
     config = loads(raw, storage.url_of("_poimen.json"))
+    storage.pin_root()  # a log's directory deleted under it is never made again
     return EventLog(storage, config, read_only=read_only)
 
 

@@ -96,6 +96,12 @@ class Storage(ABC):
         return ds.dataset([self.full(r) for r in rels], format=format,
                           filesystem=self.arrow_filesystem())
 
+    def pin_root(self) -> None:  # noqa: B027 - a no-op where there are no directories
+        """The root now holds a log: never make it again. A local log's directory deleted
+        or moved away under a live writer stays gone, and the next write fails with
+        ``StorageError`` instead of starting a new, partial log there (an object store has
+        no directories to make)."""
+
     def _require_writable(self) -> None:
         if not self.writable:
             raise PoimenError(

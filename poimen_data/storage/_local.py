@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from poimen_data.errors import NotFound
+from poimen_data.errors import NotFound, StorageError
 from poimen_data.storage import _dest
 from poimen_data.storage._base import PARALLEL_HASH_BYTES, Storage
 from poimen_data.storage._writer import AtomicWriter, HashingSink
@@ -30,6 +30,7 @@ class LocalStorage(Storage):
         super().__init__(*args, **kw)
         self.root = os.path.abspath(self.root)
         self._dirs: set[str] = set()  # directories known to exist (blobs/<t>/<aa>, ...)
+        self._pinned = False  # see pin_root
 
     def url_of(self, rel: str) -> str:
         return self.full(rel)
@@ -37,11 +38,36 @@ class LocalStorage(Storage):
     def native_path(self, rel: str) -> str | None:
         return self.full(rel)
 
+    def pin_root(self) -> None:
+        self._pinned = True
+
+    def _gone(self) -> StorageError:
+        return StorageError(f"{self.root}: the log's directory is gone (deleted or moved "
+                            "away while open); nothing was written")
+
     def _makedirs(self, d: str) -> None:
         if d not in self._dirs:
-            os.makedirs(d, exist_ok=True)
+            if self._pinned:
+                self._makedirs_below_root(d)
+            else:
+                os.makedirs(d, exist_ok=True)
             if len(self._dirs) < 100_000 and "/_staging" not in d:  # staging dirs come and go
                 self._dirs.add(d)
+
+    def _makedirs_below_root(self, d: str) -> None:
+        """``os.makedirs`` that never makes the root (see ``pin_root``)."""
+        if d == self.root:
+            if not os.path.isdir(d):
+                raise self._gone()
+            return
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            self._makedirs_below_root(os.path.dirname(d))
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d)
 
     # -- reads ----------------------------------------------------------------------
 
@@ -92,7 +118,12 @@ class LocalStorage(Storage):
         on any failure (ENOSPC) leave nothing behind. os.open and os.write, no buffered
         file object: open()'s fstat, ioctl and seek would cost a third of a small file (a
         body copied out of a pack is one)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(): umask
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(): umask
+        except FileNotFoundError:
+            if self._pinned and not os.path.isdir(self.root):
+                raise self._gone() from None  # a directory it knew, gone with the root
+            raise
         try:
             try:
                 view = memoryview(data)  # pa.Buffer has the buffer protocol
@@ -132,7 +163,12 @@ class LocalStorage(Storage):
             return super().write_hashed(rel, fill, size_hint, sync=sync)
         path = self.full(rel)
         self._makedirs(os.path.dirname(path))
-        f = open(path, "xb")  # noqa: SIM115 - closed below; a name already there is not ours
+        try:
+            f = open(path, "xb")  # noqa: SIM115 - closed below; a name already there is not ours
+        except FileNotFoundError:
+            if self._pinned and not os.path.isdir(self.root):
+                raise self._gone() from None
+            raise
         sink = HashingSink(f)
         try:
             with f:
@@ -192,7 +228,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             if not os.path.exists(self.full(src)):
                 raise NotFound(f"no such file: {self.url_of(src)}") from None
-            os.makedirs(os.path.dirname(dpath), exist_ok=True)
+            self._makedirs(os.path.dirname(dpath))
             try:
                 os.replace(self.full(src), dpath)
             except FileNotFoundError:  # another promoter (a roll-forward) moved it first
@@ -200,7 +236,7 @@ class LocalStorage(Storage):
 
     def copy(self, src: str, dst: str) -> None:
         dpath = self.full(dst)
-        os.makedirs(os.path.dirname(dpath), exist_ok=True)
+        self._makedirs(os.path.dirname(dpath))
         tmp = f"{dpath}.tmp-{uuid.uuid4().hex}"
         try:
             os.link(self.full(src), tmp)
