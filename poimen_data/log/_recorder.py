@@ -549,10 +549,15 @@ class Recorder:
     def _drop(self, win: _Window, exc: BaseException) -> None:
         """Fail a window's records and remove what it staged (a stopped recorder's)."""
         self._fail(win.records, exc)
+        self._abort(win)
+
+    def _abort(self, win: _Window) -> None:
+        """Abort a window's transaction; a cleanup error fails no record (vacuum removes
+        what it left)."""
         try:
             win.tx.abort()
-        except Exception as err:  # noqa: BLE001 - vacuum removes what it left
-            _logger.warning("%s: aborting a window failed: %s", self.log.root, err)
+        except Exception as exc:  # noqa: BLE001 - logged, see above
+            _logger.warning("%s: aborting a window failed: %s", self.log.root, exc)
 
     # -- the committer: publishes windows in order -------------------------------------
 
@@ -587,10 +592,7 @@ class Recorder:
 
     def _commit(self, win: _Window) -> None:
         if not win.records or win.poisoned:
-            try:
-                win.tx.abort()
-            except Exception as exc:  # noqa: BLE001 - vacuum removes what it left
-                _logger.warning("%s: aborting a window failed: %s", self.log.root, exc)
+            self._abort(win)
             self._one_by_one(win.records)
             return
         try:

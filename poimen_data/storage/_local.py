@@ -41,9 +41,11 @@ class LocalStorage(Storage):
     def pin_root(self) -> None:
         self._pinned = True
 
-    def _gone(self) -> StorageError:
-        return StorageError(f"{self.root}: the log's directory is gone (deleted or moved "
-                            "away while open); nothing was written")
+    def _check_root(self) -> None:
+        """``StorageError`` when the pinned root is gone (see ``pin_root``)."""
+        if self._pinned and not os.path.isdir(self.root):
+            raise StorageError(f"{self.root}: the log's directory is gone (deleted or moved "
+                               "away while open); nothing was written")
 
     def _makedirs(self, d: str) -> None:
         if d not in self._dirs:
@@ -57,8 +59,7 @@ class LocalStorage(Storage):
     def _makedirs_below_root(self, d: str) -> None:
         """``os.makedirs`` that never makes the root (see ``pin_root``)."""
         if d == self.root:
-            if not os.path.isdir(d):
-                raise self._gone()
+            self._check_root()
             return
         try:
             os.mkdir(d)
@@ -121,8 +122,7 @@ class LocalStorage(Storage):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(): umask
         except FileNotFoundError:
-            if self._pinned and not os.path.isdir(self.root):
-                raise self._gone() from None  # a directory it knew, gone with the root
+            self._check_root()  # a directory it knew, gone with the root
             raise
         try:
             try:
@@ -166,8 +166,7 @@ class LocalStorage(Storage):
         try:
             f = open(path, "xb")  # noqa: SIM115 - closed below; a name already there is not ours
         except FileNotFoundError:
-            if self._pinned and not os.path.isdir(self.root):
-                raise self._gone() from None
+            self._check_root()
             raise
         sink = HashingSink(f)
         try:
