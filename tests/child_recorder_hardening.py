@@ -1,6 +1,6 @@
 """Recorder cases that hung for ever before they were mended, each run in its own process
 (``python tests/child_recorder_hardening.py KIND ROOT``, KIND one of emfile, callback,
-fork, stopped, committer) so that a regression fails by the parent's timeout instead of
+fork, stopped, committer, room) so that a regression fails by the parent's timeout instead of
 hanging the suite; prints its findings as JSON lines for ``test_recorder.py`` to compare.
 """
 
@@ -147,6 +147,18 @@ elif kind == "committer":
     rec.flush()
     print(json.dumps({"failed_by_flush": held.done(), "held": outcome(held.result),
                       "retried": retried, "close": outcome(rec.close), "head": log.head}))
+elif kind == "room":
+    rec = log.recorder(max_delay_ms=10**9, max_pending_events=1)
+    again = []
+    def retry(_f):  # the first record still counts: the bound is reached
+        again.append(rec.record([E.RunStarted("acme", "again", "wf-1")]))
+    first = rec.record([E.RunStarted("acme", "first", "wf-1")])
+    first.add_done_callback(retry)
+    rec.flush()
+    rec.flush()  # the callback's record went in before the first flush returned
+    rec.close()
+    print(json.dumps({"again": [first.result().seq, again[0].result().seq, log.head],
+                      "pending": list(rec.pending)}))
 else:
     joined = watch_joins(log)
     rec = log.recorder(max_delay_ms=10**9)

@@ -332,6 +332,38 @@ def test_a_cancelled_first_record_does_not_start_its_window_clock(
     assert first.cancelled() and log.head == 1
 
 
+def test_a_flush_does_not_shorten_the_windows_of_later_records(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flush`` closes the windows of the records handed over before it without their
+    delay; a record handed over after it still waits out its window's delay (as one let
+    in while a flushed commit makes room does; hand-moved clock, the gatherer's timed wait
+    is the rendezvous)."""
+    from poimen_data.log import _recorder
+
+    clock = [1000.0]
+    monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    with log.recorder(max_delay_ms=1000) as rec:
+        waiting = threading.Event()
+        wait = rec._cond.wait
+
+        def timed(timeout: float | None = None) -> bool:
+            if timeout is not None:
+                waiting.set()  # the gatherer holds an open window whose delay runs
+            return wait(timeout)
+
+        first = rec.record(_start(1)[0][0])
+        rec.flush()
+        assert first.result(timeout=0).seq == 1
+        monkeypatch.setattr(rec._cond, "wait", timed)
+        later = rec.record([E.RunFinished("acme", "run-0", "succeeded")])
+        assert waiting.wait(timeout=30)
+        assert not later.done()
+        clock[0] += 1.0
+        assert later.result(timeout=30).seq == 2
+    assert log.head == 2
+
+
 def test_a_forked_child_holds_none_of_its_parents_pack_bytes(tmp_path: Path) -> None:
     """Pack bytes held for the parent's promotions are not counted in a forked child
     (its promotions would read every pack back otherwise); the parent gives them back."""

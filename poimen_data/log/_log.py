@@ -945,11 +945,15 @@ class EventLog:
     publish_retries = 0
 
     def recorder(self, *, max_delay_ms: float = 5.0, max_events: int = 10_000,
-                 max_bytes: int = 64 << 20) -> Recorder:
+                 max_bytes: int = 64 << 20, max_pending_events: int | None = None,
+                 max_pending_bytes: int | None = None) -> Recorder:
         """A group-commit recorder: many threads or asyncio tasks ``record`` events, one
-        commit per window (README "Recording from many producers (group commit)")."""
+        commit per window (README "Recording from many producers (group commit)");
+        ``record`` waits while ``max_pending_*`` (default: 4 windows at their limits) are
+        handed over and not committed yet."""
         return Recorder(self, max_delay_ms=max_delay_ms, max_events=max_events,
-                        max_bytes=max_bytes)
+                        max_bytes=max_bytes, max_pending_events=max_pending_events,
+                        max_pending_bytes=max_pending_bytes)
 
 
 def _key_of(blob: str) -> BlobKey:

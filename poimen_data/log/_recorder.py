@@ -34,6 +34,9 @@ _logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _now = time.monotonic  # the windows' clock (a test moves it by hand)
 KNOWN_BODIES = 65_536
+# What a recorder holds that is not resolved yet is bounded, by default, by this many
+# windows at their limits (one gathering, one closed, one publishing, and the next's)
+PENDING_WINDOWS = 4
 SMALL_BODY = 64 << 10
 
 
@@ -164,7 +167,8 @@ class _Record:
     nbytes: int
     refs: frozenset[ev.BlobRef]  # every ref its events point at (checked by _check)
     future: Future[CommitInfo]
-    at: float = field(default_factory=lambda: _now())  # when it was handed over
+    at: float = 0.0  # when it was handed over to the gatherer (_let_in)
+    room: Future[None] | None = None  # while it waits for room: resolved when let in
 
 
 @dataclass(eq=False)
@@ -174,6 +178,7 @@ class _Window:
     # the GIL back after it (up to several ms behind the producers a commit woke)
     opened: float = 0.0
     records: list[_Record] = field(default_factory=list)
+    n_records: int = 0  # the records that joined (failed ones too: see _release)
     n_events: int = 0
     nbytes: int = 0
     last_no: int = 0  # the last record taken, cancelled ones included
@@ -216,12 +221,20 @@ class Recorder:
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
-                 max_events: int = 10_000, max_bytes: int = 64 << 20) -> None:
+                 max_events: int = 10_000, max_bytes: int = 64 << 20,
+                 max_pending_events: int | None = None,
+                 max_pending_bytes: int | None = None) -> None:
         if isinstance(max_delay_ms, bool) or not isinstance(max_delay_ms, int | float) \
                 or not math.isfinite(max_delay_ms) or max_delay_ms < 0:
             raise ValidationError(f"recorder: max_delay_ms must be a number >= 0, got "
                                   f"{max_delay_ms!r}")
-        for name, v in (("max_events", max_events), ("max_bytes", max_bytes)):
+        if max_pending_events is None:
+            max_pending_events = PENDING_WINDOWS * max_events
+        if max_pending_bytes is None:
+            max_pending_bytes = PENDING_WINDOWS * max_bytes
+        for name, v in (("max_events", max_events), ("max_bytes", max_bytes),
+                        ("max_pending_events", max_pending_events),
+                        ("max_pending_bytes", max_pending_bytes)):
             if type(v) is not int or v < 1:
                 raise ValidationError(f"recorder: {name} must be an int >= 1, got {v!r}")
         if log.read_only:
@@ -230,6 +243,8 @@ class Recorder:
         self.max_delay = max_delay_ms / 1000
         self.max_events = max_events
         self.max_bytes = max_bytes
+        self.max_pending_events = max_pending_events
+        self.max_pending_bytes = max_pending_bytes
         self.commits = 0  # window commits published (a fallback commit counts too)
         # one lock, a condition per waiter: the gatherer (records, a free hand-over slot,
         # an idle committer), the committer (a closed window), flush (resolved records)
@@ -238,9 +253,15 @@ class Recorder:
         self._commit_cv = threading.Condition(lock)
         self._done_cv = threading.Condition(lock)
         self._inbox: deque[_Record] = deque()
+        # records waiting for room, in order (see _release); what was let in and is not
+        # resolved yet: records, events, bytes of bodies
+        self._waiting: deque[_Record] = deque()
+        self._pending = [0, 0, 0]
         self._next_no = 1
         self._done_no = 0  # every record numbered up to this one is resolved
-        self._flushing = 0  # flush() calls waiting: close windows without the delay
+        # records up to this one are awaited by a flush: their windows close without
+        # the delay (later records' windows keep theirs)
+        self._flush_to = 0
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy refuses (see _check_process)
         self._broken: BaseException | None = None  # what stopped a thread of it
@@ -264,6 +285,14 @@ class Recorder:
     def __repr__(self) -> str:
         return f"Recorder({self.log.root!r}, max_delay_ms={self.max_delay * 1000:g})"
 
+    @property
+    def pending(self) -> tuple[int, int, int]:
+        """(records, events, bytes of bodies) handed over and not resolved yet: what the
+        ``max_pending_*`` limits bound (records waiting for room are not counted)."""
+        with self._cond:
+            n, n_events, nbytes = self._pending
+        return n, n_events, nbytes
+
     def __enter__(self) -> Recorder:
         return self
 
@@ -286,7 +315,45 @@ class Recorder:
         other producers' records are not affected). Safe from any thread of this process
         (a forked child gets ``PoimenError``); ``cancel()`` succeeds until the record joins
         a window. Its done-callbacks run on the committer thread: see ``_RecordFuture``.
+
+        Blocks while the records handed over and not resolved yet hold
+        ``max_pending_events`` events or ``max_pending_bytes`` bytes of bodies, until
+        commits make room (producers are let in in the order they came; ``arecord``
+        awaits instead). Raises ``PoimenError`` when the recorder closes meanwhile.
         """
+        rec = self._submit(events, blobs)
+        if isinstance(rec, _Record):
+            if rec.room is not None:
+                self._wait_room(rec)
+            return rec.future
+        return rec
+
+    async def arecord(self, events: Iterable[ev.Event], *,
+                      blobs: Mapping[ev.BlobRef, bytes] | None = None) -> CommitInfo:
+        """``record`` for asyncio: await room and the commit without blocking the event
+        loop. Cancelled while it waits for room, the record is withdrawn (or cancelled, if
+        it was let in meanwhile and has not joined a window)."""
+        rec = self._submit(events, blobs)
+        if not isinstance(rec, _Record):
+            return await asyncio.wrap_future(rec)
+        if rec.room is not None:
+            try:
+                await asyncio.wrap_future(rec.room)
+            except PoimenError:
+                raise  # refused: closed or stopped while it waited
+            except BaseException:
+                self._withdraw(rec)
+                raise
+        return await asyncio.wrap_future(rec.future)
+
+    def _refusal(self) -> PoimenError:
+        return PoimenError("recorder is closed" if self._broken is None
+                           else f"recorder stopped: {self._broken!r}")
+
+    def _submit(self, events: Iterable[ev.Event], blobs: Mapping[ev.BlobRef, bytes] | None
+                ) -> _Record | Future[CommitInfo]:
+        """Check a record and let it in, or queue it for room (``room`` set); a future
+        already failed with ``ValidationError`` for a bad one."""
         self._check_process()
         with self._cond:
             if self._closed:
@@ -297,24 +364,79 @@ class Recorder:
             failed: Future[CommitInfo] = Future()
             failed.set_exception(exc)
             return failed
-        future = _RecordFuture(self._pid, self._threads)
+        rec = _Record(0, evs, bodies, nbytes, refs, _RecordFuture(self._pid, self._threads))
         with self._cond:
             if self._closed:
                 raise self._refusal()
-            rec = _Record(self._next_no, evs, bodies, nbytes, refs, future)
-            self._next_no += 1
-            self._inbox.append(rec)
-            self._cond.notify()
-        return rec.future
+            # a done-callback (on the committer) never waits: the room it would wait for
+            # is made by the thread it runs on
+            if (self._waiting or not self._fits(rec)) \
+                    and threading.current_thread() not in self._threads:
+                rec.room = Future()
+                self._waiting.append(rec)
+            else:
+                self._let_in(rec)
+        return rec
 
-    def _refusal(self) -> PoimenError:
-        return PoimenError("recorder is closed" if self._broken is None
-                           else f"recorder stopped: {self._broken!r}")
+    def _fits(self, rec: _Record) -> bool:
+        """Room for ``rec`` (lock held): within both limits, or nothing else pending (a
+        record bigger than a limit goes in alone)."""
+        n, n_events, nbytes = self._pending
+        return n == 0 or (n_events + len(rec.events) <= self.max_pending_events
+                          and nbytes + rec.nbytes <= self.max_pending_bytes)
 
-    async def arecord(self, events: Iterable[ev.Event], *,
-                      blobs: Mapping[ev.BlobRef, bytes] | None = None) -> CommitInfo:
-        """``record`` for asyncio: await the commit without blocking the event loop."""
-        return await asyncio.wrap_future(self.record(events, blobs=blobs))
+    def _let_in(self, rec: _Record) -> None:
+        """Hand ``rec`` over to the gatherer (lock held): numbered, and counted pending."""
+        rec.no = self._next_no
+        rec.at = _now()
+        self._next_no += 1
+        self._pending[0] += 1
+        self._pending[1] += len(rec.events)
+        self._pending[2] += rec.nbytes
+        self._inbox.append(rec)
+        self._cond.notify()
+
+    def _release(self, n: int, n_events: int, nbytes: int) -> None:
+        """Records resolved (or cancelled) no longer count (lock held): let in those
+        waiting for room, first come first in, while they fit."""
+        p = self._pending
+        p[0], p[1], p[2] = p[0] - n, p[1] - n_events, p[2] - nbytes
+        while self._waiting and self._fits(self._waiting[0]):
+            rec = self._waiting.popleft()
+            assert rec.room is not None
+            if rec.room.set_running_or_notify_cancel():  # else its awaiting task was
+                self._let_in(rec)                        # cancelled: withdrawn
+                rec.room.set_result(None)
+
+    def _refuse_waiting(self) -> None:
+        """Closed or stopped (lock held): producers waiting for room are refused."""
+        exc = self._refusal()
+        while self._waiting:
+            room = self._waiting.popleft().room
+            assert room is not None
+            if room.set_running_or_notify_cancel():
+                room.set_exception(exc)
+
+    def _wait_room(self, rec: _Record) -> None:
+        """Block the producer until ``rec`` is let in (``PoimenError`` if refused)."""
+        assert rec.room is not None
+        try:
+            rec.room.result()
+        except PoimenError:
+            raise
+        except BaseException:  # interrupted (KeyboardInterrupt): not handed over then
+            self._withdraw(rec)
+            raise
+
+    def _withdraw(self, rec: _Record) -> None:
+        """Take back a record whose producer stopped waiting for room: out of the queue,
+        or cancelled if it was let in meanwhile (it commits if it has joined a window)."""
+        with self._cond:
+            if rec in self._waiting:
+                self._waiting.remove(rec)
+                self._release(0, 0, 0)  # those behind it may fit now
+                return
+        rec.future.cancel()
 
     def _check(self, events: Iterable[ev.Event], blobs: Mapping[ev.BlobRef, bytes] | None
                ) -> tuple[tuple[ev.Event, ...], dict[BlobKey, bytes], int,
@@ -368,13 +490,10 @@ class Recorder:
                               "would never end: call it from another thread")
         with self._cond:
             target = self._next_no - 1
-            self._flushing += 1
+            self._flush_to = max(self._flush_to, target)
             self._cond.notify()
-            try:
-                while self._done_no < target and (self._broken is None or self._alive):
-                    self._done_cv.wait()
-            finally:
-                self._flushing -= 1
+            while self._done_no < target and (self._broken is None or self._alive):
+                self._done_cv.wait()
 
     def close(self) -> None:
         """Commit what was handed over, then stop; ``record`` refuses from now on. In a
@@ -386,6 +505,7 @@ class Recorder:
                     and not self._committer.is_alive():
                 return
             self._closed = True
+            self._refuse_waiting()
             self._cond.notify_all()
             self._commit_cv.notify_all()
         if threading.current_thread() not in self._threads:
@@ -456,6 +576,7 @@ class Recorder:
         with self._cond:
             self._broken = exc
             self._closed = True
+            self._refuse_waiting()
             records = list(self._inbox)
             self._inbox.clear()
             windows = [self._ready, self._committing] if committer else [self._ready]
@@ -494,17 +615,21 @@ class Recorder:
             # races to other writers: then one window at a time, bigger, fewer to race
             idle = self._ready is None and not (self._busy and self._contended)
             left = win.opened + self.max_delay - _now()
-            if idle and (left <= 0 or self._flushing or self._closed):
+            flushed = win.records[0].no <= self._flush_to
+            if idle and (left <= 0 or flushed or self._closed):
                 return None
             self._cond.wait(timeout=left if left > 0 else None)
 
     def _join(self, win: _Window, rec: _Record) -> None:
         win.last_no = rec.no
         if not rec.future.set_running_or_notify_cancel():
-            return  # cancelled by its producer before joining
+            with self._cond:  # cancelled by its producer before joining
+                self._release(1, len(rec.events), rec.nbytes)
+            return
         if not win.records:
             win.opened = rec.at  # its delay runs from its first record's hand-over
         win.records.append(rec)
+        win.n_records += 1
         win.n_events += len(rec.events)
         win.nbytes += rec.nbytes
         if win.poisoned:
@@ -587,6 +712,7 @@ class Recorder:
             with self._cond:
                 self._busy, self._committing = False, None
                 self._done_no = win.last_no  # windows are published in order
+                self._release(win.n_records, win.n_events, win.nbytes)
                 self._cond.notify()
                 self._done_cv.notify_all()
 
