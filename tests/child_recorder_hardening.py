@@ -126,7 +126,8 @@ elif kind == "stopped":
     rec.flush()  # it waited for ever: the gatherer thread had died
     print(json.dumps({"failed_by_flush": lost.done(), "lost": outcome(lost.result),
                       "again": outcome(lambda: rec.record(evs)),
-                      "close": outcome(rec.close), "head": log.head}))
+                      "close": outcome(rec.close), "head": log.head,
+                      "pending": list(rec.pending)}))
 elif kind == "committer":
     from poimen_data.log._recorder import Recorder
     gate = threading.Event()
@@ -146,19 +147,28 @@ elif kind == "committer":
     gate.set()
     rec.flush()
     print(json.dumps({"failed_by_flush": held.done(), "held": outcome(held.result),
-                      "retried": retried, "close": outcome(rec.close), "head": log.head}))
+                      "retried": retried, "close": outcome(rec.close), "head": log.head,
+                      "pending": list(rec.pending)}))
 elif kind == "room":
     rec = log.recorder(max_delay_ms=10**9, max_pending_events=1)
-    again = []
+    other = pdm.open_log(sys.argv[2] + "-other").recorder(max_delay_ms=10**9,
+                                                           max_pending_events=1)
+    held = other.record([E.RunStarted("acme", "held", "wf-1")])  # its bound is reached
+    again, seen = [], []
     def retry(_f):  # the first record still counts: the bound is reached
         again.append(rec.record([E.RunStarted("acme", "again", "wf-1")]))
+        again.append(other.record([E.RunStarted("acme", "across", "wf-1")]))
+        seen.append(list(other.pending))  # past the other's bound too, nobody waiting
     first = rec.record([E.RunStarted("acme", "first", "wf-1")])
     first.add_done_callback(retry)
     rec.flush()
     rec.flush()  # the callback's record went in before the first flush returned
+    other.flush()
     rec.close()
+    other.close()
     print(json.dumps({"again": [first.result().seq, again[0].result().seq, log.head],
-                      "pending": list(rec.pending)}))
+                      "across": [held.result().seq, again[1].result().seq], "seen": seen,
+                      "pending": list(rec.pending) + list(other.pending)}))
 else:
     joined = watch_joins(log)
     rec = log.recorder(max_delay_ms=10**9)
@@ -187,6 +197,7 @@ else:
                           "result": outcome(pending.result),
                           "exception": outcome(pending.exception),
                           "flush": outcome(rec.flush), "close": outcome(rec.close),
+                          "pending": outcome(lambda: rec.pending),
                           "states": [pending.done(), pending.running(), pending.cancelled(),
                                      pending.cancel(), done.done()],
                           "done": outcome(done.result)}))

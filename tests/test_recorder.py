@@ -332,38 +332,6 @@ def test_a_cancelled_first_record_does_not_start_its_window_clock(
     assert first.cancelled() and log.head == 1
 
 
-def test_a_flush_does_not_shorten_the_windows_of_later_records(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``flush`` closes the windows of the records handed over before it without their
-    delay; a record handed over after it still waits out its window's delay (as one let
-    in while a flushed commit makes room does; hand-moved clock, the gatherer's timed wait
-    is the rendezvous)."""
-    from poimen_data.log import _recorder
-
-    clock = [1000.0]
-    monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
-    log = pdm.open_log(str(tmp_path / "log"), durable=False)
-    with log.recorder(max_delay_ms=1000) as rec:
-        waiting = threading.Event()
-        wait = rec._cond.wait
-
-        def timed(timeout: float | None = None) -> bool:
-            if timeout is not None:
-                waiting.set()  # the gatherer holds an open window whose delay runs
-            return wait(timeout)
-
-        first = rec.record(_start(1)[0][0])
-        rec.flush()
-        assert first.result(timeout=0).seq == 1
-        monkeypatch.setattr(rec._cond, "wait", timed)
-        later = rec.record([E.RunFinished("acme", "run-0", "succeeded")])
-        assert waiting.wait(timeout=30)
-        assert not later.done()
-        clock[0] += 1.0
-        assert later.result(timeout=30).seq == 2
-    assert log.head == 2
-
-
 def test_a_forked_child_holds_none_of_its_parents_pack_bytes(tmp_path: Path) -> None:
     """Pack bytes held for the parent's promotions are not counted in a forked child
     (its promotions would read every pack back otherwise); the parent gives them back."""
@@ -432,7 +400,7 @@ def test_a_forked_child_refuses_its_parents_recorder_and_exits(tmp_path: Path) -
     pdm.open_log(str(root))
     child, parent = _hardening("fork", root)
     assert child == {"record": FORKED, "result": FORKED, "exception": FORKED,
-                     "flush": FORKED, "close": None,
+                     "flush": FORKED, "close": None, "pending": FORKED,
                      "states": [False, True, False, False, True],
                      "done": str(pdm.CommitInfo(1, 1, 1))}
     assert parent == {"child_status": 0, "pending": 2}
@@ -464,7 +432,7 @@ def test_a_recorder_whose_thread_stopped_fails_its_records_and_refuses(
     [out] = _hardening("stopped", root)
     assert out == {"failed_by_flush": True, "lost": "RuntimeError: no transaction",
                    "again": "PoimenError: recorder stopped: RuntimeError('no transaction')",
-                   "close": None, "head": 0}
+                   "close": None, "head": 0, "pending": [0, 0, 0]}
 
 
 def test_a_recorder_whose_committer_stopped_fails_the_gatherers_window(
@@ -477,7 +445,8 @@ def test_a_recorder_whose_committer_stopped_fails_the_gatherers_window(
     [out] = _hardening("committer", root)
     stopped = "recorder stopped: RuntimeError('committer broke')"
     assert out == {"failed_by_flush": True, "held": "RuntimeError: committer broke",
-                   "retried": [f"PoimenError: {stopped}"], "close": None, "head": 0}
+                   "retried": [f"PoimenError: {stopped}"], "close": None, "head": 0,
+                   "pending": [0, 0, 0]}
 
 
 def test_s3_many_producers_make_one_manifest(s3: Any) -> None:

@@ -61,7 +61,8 @@ def _runs(log: pdm.EventLog) -> list[str]:
 def test_producers_past_the_bound_wait_and_go_in_in_the_order_they_came(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """At ``max_pending_events`` a producer waits; when the first window's commit makes
-    room for the small record behind a big one, the small one still waits its turn."""
+    room for the small record behind a big one, the small one still waits its turn (it
+    would have committed before the big one)."""
     log = pdm.open_log(str(tmp_path / "log"), durable=False)
     entered, release, opened = _hold_transactions(log, monkeypatch)
     arrived = _report_waits(monkeypatch)
@@ -79,13 +80,12 @@ def test_producers_past_the_bound_wait_and_go_in_in_the_order_they_came(
         release.set()
         # r0's window closes at max_events: room for "small" (3 <= 4), not for "big"
         assert r0.result(timeout=30).seq == 1
-        rec.flush()  # r1's window: "big" goes in, "small" waits behind it
+        rec.flush()  # r1's window: "big" goes in, "small" waits behind it ...
         big.join(timeout=30)
-        assert not big.is_alive() and small.is_alive() and "small" not in out
-        assert rec.pending == (1, 4, 0)
-        rec.flush()
+        # ... and "big"'s window, holding the whole bound, closes for it
+        assert out["big"].result(timeout=30).seq == 3
         small.join(timeout=30)
-        assert not small.is_alive()
+        assert not big.is_alive() and not small.is_alive()
         rec.flush()
         infos = [r0.result(), r1.result(), out["big"].result(), out["small"].result()]
     assert infos == [pdm.CommitInfo(1, 1, 2), pdm.CommitInfo(2, 3, 4),
@@ -97,6 +97,7 @@ def test_producers_past_the_bound_wait_and_go_in_in_the_order_they_came(
 def test_bodies_are_bounded_too_and_a_record_bigger_than_the_bound_goes_in_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    entered, release, opened = _hold_transactions(log, monkeypatch)
     arrived = _report_waits(monkeypatch)
     out: dict[str, Any] = {}
     huge, small = b"h" * 150, b"s" * 10
@@ -106,16 +107,17 @@ def test_bodies_are_bounded_too_and_a_record_bigger_than_the_bound_goes_in_alone
                       out, "huge", blobs={href: huge})
         t.join(timeout=30)  # nothing pending: it went in at once
         assert not t.is_alive() and rec.pending == (1, 1, 150)
-        first = out["huge"]
+        assert entered.wait(timeout=30)  # the gatherer is held: nothing resolves
         t = _producer(rec, [E.AttemptDispatched("acme", "s", 0, "s", 0, 1, prompt=sref)],
                       out, "small", blobs={sref: small})
         assert arrived.acquire(timeout=30)
         assert "small" not in out and rec.pending == (1, 1, 150)
+        monkeypatch.setattr(log, "transaction", opened)
+        release.set()
+        t.join(timeout=30)  # the window of "huge" closed for it: no flush
+        assert not t.is_alive() and rec.pending == (1, 1, 10)
         rec.flush()
-        t.join(timeout=30)
-        assert rec.pending == (1, 1, 10)
-        rec.flush()
-        assert (first.result().seq, out["small"].result().seq) == (1, 2)
+        assert (out["huge"].result().seq, out["small"].result().seq) == (1, 2)
     assert log.blobs.get(href) == huge and log.blobs.get(sref) == small
 
 
@@ -222,19 +224,20 @@ def test_the_default_bound_is_four_windows_at_their_limits(tmp_path: Path) -> No
 
 def test_a_done_callback_records_past_the_bound_without_waiting(tmp_path: Path) -> None:
     """A done-callback runs on the committer, which makes the room it would wait for: its
-    record goes in past the bound (waiting there hung the recorder for ever)."""
+    record goes in past the bound (waiting there hung the recorder for ever), into its own
+    recorder or another one (whose callbacks could wait on this one)."""
     root = tmp_path / "log"
     pdm.open_log(str(root))
     [out] = _hardening("room", root)
-    assert out == {"again": [1, 2, 2], "pending": [0, 0, 0]}
+    assert out == {"again": [1, 2, 2], "across": [1, 1], "seen": [[2, 2, 0]],
+                   "pending": [0, 0, 0, 0, 0, 0]}
 
 
-def test_a_producer_faster_than_its_commits_is_held_to_the_bound(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_producer_faster_than_its_commits_is_held_to_the_bound(tmp_path: Path) -> None:
     """With room for one record, a producer recording five in a row waits for each
-    commit before its next record goes in: five commits of one record each."""
+    commit before its next record goes in: five commits of one record each, and no
+    flush needed (a window holding the whole bound closes for the producer waiting)."""
     log = pdm.open_log(str(tmp_path / "log"), durable=False)
-    arrived = _report_waits(monkeypatch)
     with log.recorder(max_delay_ms=NEVER, max_pending_events=1) as rec:
         futs: list[Future[pdm.CommitInfo]] = []
 
@@ -244,11 +247,117 @@ def test_a_producer_faster_than_its_commits_is_held_to_the_bound(
 
         t = threading.Thread(target=producer)
         t.start()
-        for k in range(1, 5):
-            assert arrived.acquire(timeout=30)  # the next record waits for room
-            assert len(futs) == k and rec.pending == (1, 1, 0)
-            rec.flush()  # the one in commits, and lets the waiting one in
-        t.join(timeout=30)
+        t.join(timeout=60)
+        assert not t.is_alive()
         rec.flush()
         assert [f.result(timeout=0).seq for f in futs] == [1, 2, 3, 4, 5]
     assert _runs(log) == [f"p{i}" for i in range(5)]
+
+
+def test_a_window_holding_the_whole_bound_closes_for_the_producers_waiting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a bound below the window's limits, the open window fills it: the producer
+    waiting cannot join it, so it closes then (not at its delay, here never). The
+    gatherer is waiting out that delay, both records taken, when the producer comes."""
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    out: dict[str, Any] = {}
+    with log.recorder(max_delay_ms=NEVER, max_pending_events=2) as rec:
+        full = threading.Event()
+        wait = rec._cond.wait
+
+        def timed(timeout: float | None = None) -> bool:
+            if timeout is not None and rec._pending[0] == 2:
+                full.set()  # both taken (the inbox is empty when it waits)
+            return wait(timeout)
+
+        monkeypatch.setattr(rec._cond, "wait", timed)
+        first = [rec.record(_events(f"p{i}", 1)) for i in range(2)]
+        assert full.wait(timeout=30)
+        t = _producer(rec, _events("p2", 1), out, "p2")
+        t.join(timeout=30)
+        assert not t.is_alive()  # no flush: it went in once the first two committed
+        assert [f.result(timeout=30).seq for f in first] == [1, 1]
+        rec.flush()
+        assert out["p2"].result(timeout=0).seq == 2
+
+
+def _flush_started(rec: Recorder, monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[threading.Event, threading.Event]:
+    """``started`` is set once a flush waits; a flush woken after that waits for
+    ``go``, off the recorder's lock, before it returns (a flush still in progress)."""
+    started, go = threading.Event(), threading.Event()
+    cv = rec._done_cv
+    wait = cv.wait
+
+    def waiting(timeout: float | None = None) -> bool:
+        started.set()
+        got = wait(timeout)
+        cv.release()
+        try:
+            assert go.wait(timeout=30)
+        finally:
+            cv.acquire()
+        return got
+
+    monkeypatch.setattr(rec._done_cv, "wait", waiting)
+    return started, go
+
+
+def test_a_flush_does_not_shorten_the_window_of_a_record_let_in_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flushed commit makes room: the record let in then opens a window that keeps
+    its delay while the flush is still returning (hand-moved clock; the gatherer's timed
+    wait with that record taken is the rendezvous)."""
+    from poimen_data.log import _recorder
+
+    clock = [1000.0]
+    monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    arrived = _report_waits(monkeypatch)
+    out: dict[str, Any] = {}
+    with log.recorder(max_delay_ms=1000, max_pending_events=1) as rec:
+        first = rec.record(_events("first", 1))
+        t = _producer(rec, _events("later", 1), out, "later")
+        assert arrived.acquire(timeout=30)
+        later_waits = threading.Event()
+        wait = rec._cond.wait
+
+        def timed(timeout: float | None = None) -> bool:
+            if timeout is not None and rec._next_no == 3:
+                later_waits.set()  # the window of "later" waits out its delay
+            return wait(timeout)
+
+        monkeypatch.setattr(rec._cond, "wait", timed)
+        started, go = _flush_started(rec, monkeypatch)
+        flusher = threading.Thread(target=rec.flush)
+        flusher.start()
+        assert later_waits.wait(timeout=30)
+        t.join(timeout=30)
+        assert first.result(timeout=0).seq == 1 and not out["later"].done()
+        go.set()
+        flusher.join(timeout=30)
+        assert not flusher.is_alive()
+        clock[0] += 1.0
+        assert out["later"].result(timeout=30).seq == 2
+
+
+def test_a_flush_whose_record_was_cancelled_does_not_wait_out_the_delay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window that took the cancelled record, and then a later one, is the flush's:
+    it closes at once."""
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    entered, release, opened = _hold_transactions(log, monkeypatch)
+    with log.recorder(max_delay_ms=NEVER) as rec:
+        gone = rec.record(_events("gone", 1))
+        assert entered.wait(timeout=30) and gone.cancel()
+        started, go = _flush_started(rec, monkeypatch)
+        go.set()
+        flusher = threading.Thread(target=rec.flush)
+        flusher.start()
+        assert started.wait(timeout=30)
+        kept = rec.record(_events("kept", 1))
+        monkeypatch.setattr(log, "transaction", opened)
+        release.set()
+        flusher.join(timeout=30)
+        assert not flusher.is_alive() and kept.result(timeout=0).seq == 1
+    assert _runs(log) == ["kept"]

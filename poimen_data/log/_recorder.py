@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 _logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _now = time.monotonic  # the windows' clock (a test moves it by hand)
+_OWN = threading.local()  # .recorder is set on every recorder's gatherer and committer
 KNOWN_BODIES = 65_536
 # What a recorder holds that is not resolved yet is bounded, by default, by this many
 # windows at their limits (one gathering, one closed, one publishing, and the next's)
@@ -181,7 +182,8 @@ class _Window:
     n_records: int = 0  # the records that joined (failed ones too: see _release)
     n_events: int = 0
     nbytes: int = 0
-    last_no: int = 0  # the last record taken, cancelled ones included
+    first_no: int = 0  # the first and last records taken, cancelled ones included
+    last_no: int = 0
     events: list[ev.Event] = field(default_factory=list)
     stamps: list[datetime] = field(default_factory=list)
     keys: list[BlobKey] = field(default_factory=list)
@@ -289,6 +291,7 @@ class Recorder:
     def pending(self) -> tuple[int, int, int]:
         """(records, events, bytes of bodies) handed over and not resolved yet: what the
         ``max_pending_*`` limits bound (records waiting for room are not counted)."""
+        self._check_process()
         with self._cond:
             n, n_events, nbytes = self._pending
         return n, n_events, nbytes
@@ -368,12 +371,13 @@ class Recorder:
         with self._cond:
             if self._closed:
                 raise self._refusal()
-            # a done-callback (on the committer) never waits: the room it would wait for
-            # is made by the thread it runs on
+            # a done-callback (on a committer) never waits: the room it would wait for is
+            # made by the thread it runs on, or by another recorder's that may wait on it
             if (self._waiting or not self._fits(rec)) \
-                    and threading.current_thread() not in self._threads:
+                    and not getattr(_OWN, "recorder", False):
                 rec.room = Future()
                 self._waiting.append(rec)
+                self._cond.notify()  # the open window may hold the bound: it closes
             else:
                 self._let_in(rec)
         return rec
@@ -516,6 +520,7 @@ class Recorder:
     # -- the gatherer: opens a window, stages each record's bodies and events into it ---
 
     def _gather_loop(self) -> None:
+        _OWN.recorder = True
         try:
             while self._gather():
                 pass
@@ -579,6 +584,8 @@ class Recorder:
             self._refuse_waiting()
             records = list(self._inbox)
             self._inbox.clear()
+            self._release(len(records), sum(len(r.events) for r in records),
+                          sum(r.nbytes for r in records))
             windows = [self._ready, self._committing] if committer else [self._ready]
             dropped = [w for w in windows if isinstance(w, _Window)]
             self._ready = _STOP  # the committer, if alive, ends; _hand drops windows
@@ -615,12 +622,14 @@ class Recorder:
             # races to other writers: then one window at a time, bigger, fewer to race
             idle = self._ready is None and not (self._busy and self._contended)
             left = win.opened + self.max_delay - _now()
-            flushed = win.records[0].no <= self._flush_to
+            # a flush waits for it; or producers wait for room that only its commit makes
+            flushed = win.first_no <= self._flush_to or bool(self._waiting)
             if idle and (left <= 0 or flushed or self._closed):
                 return None
             self._cond.wait(timeout=left if left > 0 else None)
 
     def _join(self, win: _Window, rec: _Record) -> None:
+        win.first_no = win.first_no or rec.no
         win.last_no = rec.no
         if not rec.future.set_running_or_notify_cancel():
             with self._cond:  # cancelled by its producer before joining
@@ -674,6 +683,8 @@ class Recorder:
     def _drop(self, win: _Window, exc: BaseException) -> None:
         """Fail a window's records and remove what it staged (a stopped recorder's)."""
         self._fail(win.records, exc)
+        with self._cond:
+            self._release(win.n_records, win.n_events, win.nbytes)
         self._abort(win)
 
     def _abort(self, win: _Window) -> None:
@@ -687,6 +698,7 @@ class Recorder:
     # -- the committer: publishes windows in order -------------------------------------
 
     def _commit_loop(self) -> None:
+        _OWN.recorder = True
         try:
             self._commit_windows()
         except BaseException as exc:  # noqa: BLE001 - never leave a record pending
