@@ -23,7 +23,7 @@ RESULT_KEYS = {"name", "title", "status", "goal", "ours", "reference", "ratio", 
 EXPECTED = ["bulk_ingest", "event_objects", "small_commit", "small_commit_vs_peer", "open",
             "small_files", "cold_refold", "fold_engine", "incremental", "point_query",
             "grading", "export", "s3_commit", "scale_fold", "scale_sql", "group_commit",
-            "group_commit_p99", "group_commit_s3", "s3_writers", "view"]
+            "group_commit_p99", "group_commit_s3", "s3_writers", "recorder_memory", "view"]
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ GOALS: dict[str, Goal] = {
     "group_commit_p99": Goal("p99 < 25 ms", "ours", "<=", 0.025),
     "group_commit_s3": Goal(">= 10x one by one", "ratio", ">=", 10.0),
     "s3_writers": Goal("N=8 records/s >= N=1", "ratio", ">=", 1.0),
+    "recorder_memory": Goal("peak RSS for 3x the records <= 1.25x", "ratio", "<=", 1.25),
 }
 
 
@@ -233,6 +234,72 @@ def group_commit_p99(ctx: Ctx) -> Result:
                    note=f"{len(m['ours_lat'])} records",
                    details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
                             "p50_s": p50})
+
+
+# --- memory of a producer that does not wait --------------------------------------------
+
+#: A fresh interpreter records ``n`` records (an attempt and a body of ``size`` bytes)
+#: without waiting for their futures, then drains; prints its time and peak RSS (VmHWM:
+#: its own, not the parent's carried over exec).
+_FIRE_AND_FORGET = r"""
+import json, os, sys, time
+from poimen_data.bench._recorder import _attempt
+from poimen_data.log._log import open_log
+root, n, size, bound = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+kw = {} if bound == "default" else {"max_pending_bytes": int(bound)}
+log = open_log(root)
+seed = os.urandom(size)
+t0 = time.perf_counter()
+with log.recorder(**kw) as rec:
+    for i in range(n):
+        body = i.to_bytes(8, "big") + seed[8:]
+        ref = rec.ref("acme", body)
+        rec.record(_attempt(f"f{i}", ref), blobs={ref: body})
+seconds = time.perf_counter() - t0
+log.flush()
+assert log.head == 2 * n, log.head
+hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+print(json.dumps({"seconds": seconds, "peak_rss": int(hwm.split()[1]) * 1024}))
+"""
+FIRE_BODY = 16 << 10
+
+
+def _fire_and_forget(root: str, n: int, bound: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", _FIRE_AND_FORGET, root, str(n),
+                          str(FIRE_BODY), bound], capture_output=True, text=True,
+                         check=False, env=_child_env())
+    if out.returncode:
+        raise RuntimeError(f"fire-and-forget child failed: {out.stderr[-2000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def recorder_memory(ctx: Ctx) -> Result:
+    """A producer recording as fast as it can without waiting for its futures (16 KiB
+    bodies, a durable local log): the recorder's bound on what it holds keeps the peak
+    RSS flat whatever the number of records. Ours: 3x the records; reference: 1x; each
+    in its own process. The full run uses the default bound (256 MiB of bodies), the
+    quick one 8 MiB (its records would not reach the default)."""
+    n, bound = (2_000, str(8 << 20)) if ctx.quick else (30_000, "default")
+    d = ctx.dir("recorder-memory")
+    ref = _fire_and_forget(str(d / "one"), n, bound)
+    ours = _fire_and_forget(str(d / "three"), 3 * n, bound)
+    mib = 1 << 20
+    ratio = ours["peak_rss"] / ref["peak_rss"]
+    bound_text = ("256 MiB of bodies (the default)" if bound == "default"
+                  else f"{int(bound) >> 20} MiB of bodies")
+    return _result(ctx, "recorder_memory", "recorder memory", ours=ours["peak_rss"] / mib,
+                   reference=ref["peak_rss"] / mib, ratio=ratio, unit="MiB", ref_unit="MiB",
+                   ours_text=f"{3 * n:,} records: peak {ours['peak_rss'] / mib:.0f} MiB",
+                   reference_text=f"{n:,} records: peak {ref['peak_rss'] / mib:.0f} MiB",
+                   ratio_text=fmt_ratio(ratio),
+                   note=f"one producer thread, {FIRE_BODY >> 10} KiB bodies "
+                        f"({3 * n * FIRE_BODY / mib:,.0f} MiB in all for ours), never "
+                        f"waiting for a future; bound: {bound_text}; "
+                        f"{3 * n / ours['seconds']:,.0f} against "
+                        f"{n / ref['seconds']:,.0f} records/s handed over and committed",
+                   details={"t_ours_s": [ours["seconds"]], "t_ref_s": [ref["seconds"]],
+                            "peak_rss_ours": ours["peak_rss"],
+                            "peak_rss_ref": ref["peak_rss"]})
 
 
 # --- S3 on moto ----------------------------------------------------------------------------

@@ -804,5 +804,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("group_commit_s3", "group commit S3", _rec.GOALS["group_commit_s3"],
              _rec.group_commit_s3),
     Scenario("s3_writers", "S3 writers", _rec.GOALS["s3_writers"], _rec.s3_writers),
+    Scenario("recorder_memory", "recorder memory", _rec.GOALS["recorder_memory"],
+             _rec.recorder_memory),
     Scenario("view", "viewer pages", _view.GOAL, _view.view),
 ]
