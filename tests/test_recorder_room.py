@@ -130,7 +130,8 @@ class _Full(NamedTuple):
     release: threading.Event
 
 
-def _full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> _Full:
+def _full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+          max_delay_ms: int = NEVER) -> _Full:
     """A recorder with room for one event, holding record "first" while its gatherer is
     held opening a window (``release`` lets it go), and a producer of record ``name``
     waiting for room (its outcome in ``out``)."""
@@ -138,7 +139,7 @@ def _full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> _Full:
     entered, release, opened = _hold_transactions(log, monkeypatch)
     arrived = _report_waits(monkeypatch)
     out: dict[str, Any] = {}
-    rec = log.recorder(max_delay_ms=NEVER, max_pending_events=1)
+    rec = log.recorder(max_delay_ms=max_delay_ms, max_pending_events=1)
     first = rec.record(_events("first", 1))
     assert entered.wait(timeout=30)
     waiter = _producer(rec, _events(name, 1), out, name)
@@ -306,19 +307,15 @@ def _flush_started(rec: Recorder, monkeypatch: pytest.MonkeyPatch
 def test_a_flush_does_not_shorten_the_window_of_a_record_let_in_meanwhile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The flushed commit makes room: the record let in then opens a window that keeps
-    its delay while the flush is still returning (hand-moved clock; the gatherer's timed
-    wait with that record taken is the rendezvous)."""
+    its delay while the flush is still returning (hand-moved clock; the gatherer is held
+    until the flush waits, and its timed wait with that record taken is the
+    rendezvous)."""
     from poimen_data.log import _recorder
 
     clock = [1000.0]
     monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
-    log = pdm.open_log(str(tmp_path / "log"), durable=False)
-    arrived = _report_waits(monkeypatch)
-    out: dict[str, Any] = {}
-    with log.recorder(max_delay_ms=1000, max_pending_events=1) as rec:
-        first = rec.record(_events("first", 1))
-        t = _producer(rec, _events("later", 1), out, "later")
-        assert arrived.acquire(timeout=30)
+    f = _full(tmp_path, monkeypatch, "later", max_delay_ms=1000)
+    with f.rec as rec:
         later_waits = threading.Event()
         wait = rec._cond.wait
 
@@ -331,14 +328,16 @@ def test_a_flush_does_not_shorten_the_window_of_a_record_let_in_meanwhile(
         started, go = _flush_started(rec, monkeypatch)
         flusher = threading.Thread(target=rec.flush)
         flusher.start()
+        assert started.wait(timeout=30)  # it waits for "first" alone
+        f.release.set()
         assert later_waits.wait(timeout=30)
-        t.join(timeout=30)
-        assert first.result(timeout=0).seq == 1 and not out["later"].done()
+        f.waiter.join(timeout=30)
+        assert f.first.result(timeout=0).seq == 1 and not f.out["later"].done()
         go.set()
         flusher.join(timeout=30)
         assert not flusher.is_alive()
         clock[0] += 1.0
-        assert out["later"].result(timeout=30).seq == 2
+        assert f.out["later"].result(timeout=30).seq == 2
 
 
 def test_a_flush_whose_record_was_cancelled_does_not_wait_out_the_delay(
