@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from poimen_data.errors import (
     CommitConflict,
+    CommitUnknown,
     CorruptionError,
     LeaseHeld,
     NotFound,
@@ -69,6 +70,7 @@ __all__ = [
     "CheckReport",
     "CommitConflict",
     "CommitInfo",
+    "CommitUnknown",
     "CompactReport",
     "ContextPartition",
     "CorruptionError",

@@ -19,6 +19,21 @@ class CommitConflict(PoimenError):
     """A commit could not be published after its retries were exhausted."""
 
 
+class CommitUnknown(CommitConflict):
+    """A commit's publish failed without telling whether it landed (the object store
+    kept failing past its retry deadline after a write it may have stored). ``txn`` names
+    the transaction: ``log.settle(txn)`` decides it once storage answers again (a
+    recorder settles its windows itself). Nothing is lost either way, and it is never
+    published twice."""
+
+    def __init__(self, message: str, txn: str) -> None:
+        super().__init__(message)
+        self.txn = txn
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # pickles with its txn
+        return type(self), (str(self), self.txn)
+
+
 class TenantMismatch(ValidationError, PermissionError):
     """A ref was used under a tenant that does not own it (a ``ValidationError``: the
     transaction is rejected whole, on the event path and the bulk path alike)."""
@@ -56,6 +71,7 @@ def one_line(exc: BaseException) -> str:
 
 __all__ = [
     "CommitConflict",
+    "CommitUnknown",
     "CorruptionError",
     "LeaseHeld",
     "NotFound",

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from poimen_data.errors import (
     CommitConflict,
+    CommitUnknown,
     CorruptionError,
     NotFound,
     PoimenError,
@@ -268,7 +269,9 @@ class EventLog:
         self._lock = threading.RLock()
         self._state = _State()
         self._tables: dict[str, pa.Table] = {}
-        self._unknown: set[str] = set()  # txns whose publish failed without telling if it landed
+        # txns whose publish failed without telling if it landed: the seq it was put
+        # under and the manifest put there (see settle)
+        self._unknown: dict[str, Manifest] = {}
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
         self._promotions: list[Future[None]] = []
         self.blobs = FsBlobStore(self)
@@ -448,8 +451,59 @@ class EventLog:
             return self._state.lost.get(key)
 
     def publish_unknown(self, txn: str) -> bool:
-        """True when a publish of ``txn`` failed without telling whether it landed."""
-        return txn in self._unknown
+        """True when a publish of ``txn`` failed without telling whether it landed (and
+        ``settle`` has not decided it yet)."""
+        with self._lock:
+            return txn in self._unknown
+
+    def settle(self, txn: str) -> CommitInfo | None:
+        """Decide a commit whose publish failed without telling whether it landed
+        (``CommitUnknown``): its ``CommitInfo`` if it landed, None if it did not and never
+        will. Raises ``StorageError`` (or the storage's ``OSError``) while storage still
+        fails: the commit is still in doubt then, and ``settle`` may be called again.
+
+        Its manifest was put under one seq, which nothing but that put can fill with it.
+        Once that seq is taken, the manifest there says whose it is. While it is free, the
+        same manifest is put there again (put-if-absent, idempotent by ``txn``): the commit
+        then lands now, and its bodies are promoted as any commit's. Decided "did not
+        land", its staged files are left to ``vacuum`` (nothing reaches them).
+        """
+        with self._lock:
+            m = self._unknown.get(txn)
+            if m is None:
+                raise ValidationError(f"settle: txn {txn!r} has no publish in doubt in this "
+                                      "process (decided already, or never in doubt)")
+            self.refresh()
+            if self._state.seq < m.seq and self._files_kept(m):
+                # that seq is free: the same manifest is put there
+                if self.storage.put_if_absent(manifest_path(m.seq), m.to_bytes()):
+                    self._state.apply(m)
+                    del self._unknown[txn]
+                    self._settled_landed(m)
+                    return CommitInfo(m.seq, m.first_lsn, m.last_lsn)
+                self.refresh()  # taken meanwhile: by an earlier put of ours, or another
+            there = self._read_manifest(m.seq)
+            del self._unknown[txn]
+            if there is None or there.txn != txn:
+                return None  # taken by another, or its files gone (a long outage's vacuum)
+            return CommitInfo(there.seq, there.first_lsn, there.last_lsn)
+
+    def _files_kept(self, m: Manifest) -> bool:
+        """Every file ``m`` names is still there: a ``vacuum`` during a long outage may
+        have removed a commit's staged files (older than its grace, reached by no
+        manifest), and a manifest naming them must then never be put."""
+        files = {s.path for s in m.segments}
+        files |= {staged_file(b.staged) for b in m.blobs if b.staged}
+        return all(self.storage.exists(f) for f in sorted(files))
+
+    def _settled_landed(self, m: Manifest) -> None:
+        """A commit ``settle`` published: its bodies are promoted as any commit's (a
+        failure leaves them to the next open's roll-forward, as a crash would)."""
+        keep = any(b.staged and self.ever_reduced((b.tenant, b.sha256)) for b in m.blobs)
+        try:
+            self._after_publish(m, keep_staging=keep)
+        except Exception as exc:  # noqa: BLE001 - housekeeping a later open redoes
+            _logger.warning("commit seq %d landed; promotion deferred: %s", m.seq, exc)
 
     def publish(self, make: Callable[[int, int], Manifest], txn: str) -> Manifest:
         """Publish ``make(seq, first_lsn)`` at the next free seq (see ``_publish``)."""
@@ -802,11 +856,15 @@ class EventLog:
                     # The storage's retry layer spent its deadline: no second retry loop
                     # here. The PUT may have landed; look once for our txn, then give up
                     # (abort leaves the files to vacuum's reachability check).
-                    self._unknown.add(txn)
+                    self._unknown[txn] = m
                     own = self._find_own(txn)
                     if own is not None:
+                        del self._unknown[txn]
                         return own
-                    raise CommitConflict(f"txn {txn}: storage kept failing: {exc}") from exc
+                    raise CommitUnknown(
+                        f"txn {txn}: storage kept failing: {exc} (the commit may have "
+                        f"landed as seq {seq}: log.settle({txn!r}) tells once storage "
+                        "answers)", txn) from exc
                 if won:
                     self._state.apply(m)
                     return m

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from poimen_data.errors import PoimenError, ValidationError
+from poimen_data.errors import CommitUnknown, PoimenError, ValidationError
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, ref_problem
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import events_to_table
@@ -38,6 +38,9 @@ KNOWN_BODIES = 65_536
 # What a recorder holds that is not resolved yet is bounded, by default, by this many
 # windows at their limits (one gathering, one closed, one publishing, and the next's)
 PENDING_WINDOWS = 4
+# a window in doubt (its publish failed without telling whether it landed) is settled
+# again after this pause, doubled after each failure up to the second figure
+SETTLE_PAUSE_S = (0.1, 5.0)
 SMALL_BODY = 64 << 10
 
 
@@ -733,11 +736,21 @@ class Recorder:
             self._abort(win)
             self._one_by_one(win.records)
             return
+        settled = False
         try:
             info = win.tx.commit()
         except ValidationError:
             self._one_by_one(win.records)  # a fault we did not see per record: isolate it
             return
+        except CommitUnknown as exc:  # it may have landed: never fail it as if it did not
+            outcome = self._settle(exc)
+            if outcome is None:  # it did not land and never will: this is its first time
+                self._one_by_one(win.records)
+                return
+            if not isinstance(outcome, CommitInfo):
+                self._fail(win.records, outcome)
+                return
+            info, settled = outcome, True
         except BaseException as exc:  # noqa: BLE001 - storage failed: nothing landed
             self._fail(win.records, exc)
             return
@@ -754,8 +767,50 @@ class Recorder:
             n = len(rec.events)
             rec.future.set_result(CommitInfo(info.seq, lsn, lsn + n - 1))
             lsn += n
-        if info.seq is not None:
+        if info.seq is None:
+            return
+        if not settled:
             win.tx.checkpoint()  # durable since the publish: producers go on meanwhile
+            return
+        try:
+            self.log.maybe_checkpoint(info.seq)
+        except Exception as exc:  # noqa: BLE001 - housekeeping a later commit redoes
+            _logger.warning("commit seq %d landed; checkpoint deferred: %s", info.seq, exc)
+
+    def _settle(self, exc: CommitUnknown) -> CommitInfo | BaseException | None:
+        """Decide a window whose publish failed without telling whether it landed
+        (``EventLog.settle``), retrying while storage still fails, after a pause that
+        doubles (``SETTLE_PAUSE_S``); later windows wait, since records commit in the
+        order they were handed over. Returns the window's ``CommitInfo`` if it landed,
+        None if it did not (another commit took its seq, or its files are gone: it never
+        will), else what its records fail with: ``exc`` itself if the recorder closed (or
+        stopped) first, since after one last try ``close`` does not wait for storage to
+        come back."""
+        pause, longest = SETTLE_PAUSE_S
+        while True:
+            with self._cond:
+                last = self._closed
+            try:
+                info = self.log.settle(exc.txn)
+            except OSError as err:  # storage still failing (StorageError is one)
+                if last:
+                    return exc
+                _logger.warning("%s: txn %s still in doubt, settling again in %.1f s: %s",
+                                self.log.root, exc.txn, pause, err)
+                with self._cond:
+                    if not self._closed:
+                        self._commit_cv.wait(pause)  # close (or stop) ends the pause
+                pause = min(2 * pause, longest)
+                continue
+            except BaseException as err:  # noqa: BLE001 - handed to the producers
+                return err
+            if info is None:
+                _logger.warning("%s: txn %s settled: it did not land; its records are "
+                                "committed again, one by one", self.log.root, exc.txn)
+                return None
+            _logger.info("%s: txn %s settled: landed as seq %d", self.log.root, exc.txn,
+                         info.seq)
+            return info
 
     def _one_by_one(self, records: list[_Record]) -> None:
         """Commit each record in its own transaction: a bad one fails alone."""

@@ -1,0 +1,211 @@
+"""A commit whose manifest PUT failed without telling whether it landed (issue 17: a
+future fails only when its events did not land). The object store keeps failing past the
+retry deadline after a PUT it may have stored: the commit is in doubt (``CommitUnknown``),
+``log.settle(txn)`` decides it once storage answers, and a recorder settles its window
+itself instead of failing producers whose events may be committed. Faults are real HTTP
+answers of the moto server on 127.0.0.1 (``s3_faults``)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from conftest import BUCKET, S3Endpoint, S3Faults, snapshot_files
+from test_log_processes import _assert_consistent
+
+import poimen_data as pdm
+from poimen_data import events as E
+
+pytestmark = pytest.mark.s3
+
+DEADLINE_S = 0.5  # each storage operation retries a failing store this long
+
+
+def _log(s3: S3Endpoint) -> tuple[str, pdm.EventLog]:
+    prefix = uuid.uuid4().hex
+    log = pdm.open_log(f"s3://{BUCKET}/{prefix}", storage_options=s3.storage_options,
+                       retry_deadline_s=DEADLINE_S)
+    return prefix, log
+
+
+def _reopen(s3: S3Endpoint, prefix: str) -> pdm.EventLog:
+    return pdm.open_log(f"s3://{BUCKET}/{prefix}", storage_options=s3.storage_options)
+
+
+def _manifest_down(faults: S3Faults, prefix: str, seq: int, *, stored: bool) -> None:
+    """The PUT of manifest ``seq`` is stored but answered 500 (``stored``) or not stored
+    (503), then every retry and every look at that manifest answers 503."""
+    key = f"/{prefix}/_log/{seq:020d}.json"
+    if stored:
+        faults.add("PUT", key, "lost-answer", times=1)
+    for method in ("PUT", "GET", "HEAD"):
+        faults.add(method, key, "unavailable")
+
+
+@contextmanager
+def _in_doubt_reported(hold: threading.Event | None = None) -> Iterator[threading.Event]:
+    """An event set when a recorder reports a window still in doubt (its warning); with
+    ``hold``, the committer reporting it is held there until ``hold`` is set (the first
+    time only), before it settles again."""
+    seen = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "still in doubt" in record.getMessage():
+                first = not seen.is_set()
+                seen.set()
+                if hold is not None and first:
+                    assert hold.wait(120)
+
+    handler = Handler(logging.WARNING)
+    logger = logging.getLogger("poimen_data.log._recorder")
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+
+
+def _attempt(rec: pdm.Recorder, run: str, body: bytes) -> tuple[list[E.Event], pdm.BlobRef]:
+    ref = rec.ref("acme", body)
+    return [E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=ref),
+            E.AttemptFinished("acme", run, 0, "s", 1, "succeeded")], ref
+
+
+def _runs(log: pdm.EventLog) -> list[tuple[int, str, str]]:
+    return [(r["lsn"], r["run_id"], r["kind"]) for r in log.read_events().to_pylist()]
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored", "not-stored"])
+def test_a_recorder_settles_a_window_in_doubt_once_storage_answers(
+        s3: S3Endpoint, s3_faults: S3Faults, stored: bool) -> None:
+    """Stored or not, the window lands exactly once as seq 1 and its futures resolve:
+    found as ours, or put again under the seq nothing else took."""
+    prefix, log = _log(s3)
+    _manifest_down(s3_faults, prefix, 1, stored=stored)
+    body = b"a prompt recorded through an outage"
+    with _in_doubt_reported() as in_doubt, log.recorder(max_delay_ms=0) as rec:
+        events, ref = _attempt(rec, "run-d", body)
+        fut = rec.record(events, blobs={ref: body})
+        assert in_doubt.wait(120)  # the publish failed and a first settle too
+        assert not fut.done()  # neither failed (it may have landed) nor resolved
+        s3_faults.clear()
+        assert fut.result(timeout=120) == pdm.CommitInfo(1, 1, 2)
+        later = rec.record([E.RunStarted("acme", "run-e", "wf")])
+        assert later.result(timeout=120) == pdm.CommitInfo(2, 3, 3)
+    assert log.head_seq == 2
+    assert _runs(log) == [(1, "run-d", "attempt_dispatched"),
+                          (2, "run-d", "attempt_finished"), (3, "run-e", "run_started")]
+    log.flush()  # its bodies promoted as any commit's
+    fresh = _reopen(s3, prefix)
+    assert fresh.blobs.get(ref) == body
+    assert [m.seq for m in fresh.manifests()] == [1, 2]
+    _assert_consistent(fresh)
+
+
+def test_close_fails_a_window_still_in_doubt_with_its_txn_to_settle(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """``close`` does not wait for storage to come back: the window's futures fail with
+    ``CommitUnknown`` (not a plain failure: the PUT was stored), and ``log.settle`` with
+    its ``txn`` then finds the commit landed."""
+    prefix, log = _log(s3)
+    _manifest_down(s3_faults, prefix, 1, stored=True)
+    with _in_doubt_reported() as in_doubt:
+        rec = log.recorder(max_delay_ms=0)
+        fut = rec.record([E.RunStarted("acme", "run-c", "wf")])
+        assert in_doubt.wait(120)
+        rec.close()  # one last try, storage still down
+    exc = fut.exception(timeout=0)
+    assert type(exc) is pdm.CommitUnknown
+    assert "may have landed as seq 1" in str(exc) and exc.txn in str(exc)
+    assert log.publish_unknown(exc.txn)
+    again = pickle.loads(pickle.dumps(exc))  # crosses processes (Dask, multiprocessing)
+    assert type(again) is pdm.CommitUnknown and again.txn == exc.txn
+    s3_faults.clear()
+    assert log.settle(exc.txn) == pdm.CommitInfo(1, 1, 1)
+    assert not log.publish_unknown(exc.txn)
+    with pytest.raises(pdm.ValidationError, match="no publish in doubt"):
+        log.settle(exc.txn)  # decided once
+    assert _runs(_reopen(s3, prefix)) == [(1, "run-c", "run_started")]
+
+
+def _transaction_in_doubt(s3: S3Endpoint, faults: S3Faults, run: str
+                          ) -> tuple[str, pdm.EventLog, str]:
+    """A transaction whose manifest PUT was not stored and never answered: it raises
+    ``CommitUnknown`` naming its txn; storage answers again afterwards."""
+    prefix, log = _log(s3)
+    _manifest_down(faults, prefix, 1, stored=False)
+    with pytest.raises(pdm.CommitUnknown) as info:
+        with log.transaction() as tx:
+            ref = tx.put_blob("acme", f"a body of {run}".encode())
+            tx.append(E.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=ref))
+    assert isinstance(info.value, pdm.CommitConflict)  # what callers caught before
+    assert info.value.txn == tx.txn and log.publish_unknown(tx.txn)
+    faults.clear()
+    return prefix, log, tx.txn
+
+
+def test_settle_says_did_not_land_once_another_commit_took_its_seq(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """A transaction's PUT was not stored; another writer takes seq 1 before it is
+    settled: it did not land and never will, and nothing of it is published."""
+    prefix, log, txn = _transaction_in_doubt(s3, s3_faults, "run-a")
+    other = _reopen(s3, prefix)
+    with other.transaction() as tx2:
+        tx2.append(E.RunStarted("acme", "run-b", "wf"))
+    assert tx2.commit_info == pdm.CommitInfo(1, 1, 1)
+    assert log.settle(txn) is None
+    assert log.head_seq == 1 and _runs(log) == [(1, "run-b", "run_started")]
+    pdm.vacuum(other, grace=0, force=True)  # the files it left reach nothing
+    _assert_consistent(_reopen(s3, prefix))
+
+
+def test_settle_never_publishes_a_manifest_whose_files_were_vacuumed(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """A long outage: vacuum removed the staged files of the transaction in doubt (no
+    manifest reached them). Its seq is still free, but putting its manifest there would
+    name missing files: it did not land, and storage stays as vacuum left it."""
+    prefix, log, txn = _transaction_in_doubt(s3, s3_faults, "run-v")
+    other = _reopen(s3, prefix)
+    report = pdm.vacuum(other, grace=0, force=True)
+    assert report.segments_removed == 1 and report.staging_removed == 1
+    before = snapshot_files(log)
+    assert log.settle(txn) is None
+    assert snapshot_files(log) == before
+    assert log.head_seq == 0
+
+
+def test_a_window_in_doubt_that_did_not_land_is_committed_again(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The window's PUT was not stored, and another writer takes seq 1 while the committer
+    is held before settling again: the window never lands, so its records are committed
+    again (once each, after the other writer's commit), not failed."""
+    prefix, log = _log(s3)
+    _manifest_down(s3_faults, prefix, 1, stored=False)
+    go = threading.Event()
+    body = b"a prompt whose first window never landed"
+    with _in_doubt_reported(hold=go) as in_doubt, log.recorder(max_delay_ms=0) as rec:
+        events, ref = _attempt(rec, "run-r", body)
+        fut = rec.record(events, blobs={ref: body})
+        try:
+            assert in_doubt.wait(120)
+            s3_faults.clear()
+            other = _reopen(s3, prefix)
+            with other.transaction() as tx:
+                tx.append(E.RunStarted("acme", "run-o", "wf"))
+            assert tx.commit_info == pdm.CommitInfo(1, 1, 1)
+        finally:
+            go.set()
+        assert fut.result(timeout=120) == pdm.CommitInfo(2, 2, 3)
+    assert _runs(log) == [(1, "run-o", "run_started"), (2, "run-r", "attempt_dispatched"),
+                          (3, "run-r", "attempt_finished")]
+    log.flush()
+    fresh = _reopen(s3, prefix)
+    assert fresh.blobs.get(ref) == body
+    pdm.vacuum(fresh, grace=0, force=True)  # the first window's files reach nothing
+    _assert_consistent(_reopen(s3, prefix))
