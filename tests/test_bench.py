@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from poimen_data.bench import _runner as _bench
+from poimen_data.bench._recorder import ROLES
 from poimen_data.bench._runner import Result, run, run_cli, scenario_names, write_json
 
 RESULT_KEYS = {"name", "title", "status", "goal", "ours", "reference", "ratio", "unit",
@@ -46,6 +47,14 @@ def test_quick_bench_reports_every_scenario(quick_results: list[Result]) -> None
     system = group.details["system_us_per_record"]
     assert math.isfinite(user) and user > 0 and math.isfinite(system) and system >= 0
     assert f"{user:.0f} us user + {system:.0f} us system; the user part" in group.note
+    # ... and by thread, from each thread's own CPU clock: the recorder's threads and the
+    # producers all counted (none ended before its clock was read), no more than the
+    # process spent (other threads, if any, are not Python's)
+    roles = group.details["roles_us_per_record"]
+    assert list(roles) == list(ROLES)
+    assert all(roles[r] > 0 for r in ("producers", "gatherer", "committer", "writes"))
+    assert 0.6 * (user + system) <= sum(roles.values()) <= 1.05 * (user + system) + 5, roles
+    assert f"by thread (user + system): producers {roles['producers']:.0f} us" in group.note
 
 
 @pytest.mark.slow

@@ -63,16 +63,59 @@ def _attempt(run_id: str, ref: Any) -> list[Any]:
             ev.AttemptFinished("acme", run_id, 0, "step", 1, "succeeded")]
 
 
-Driven = tuple[float, list[float], tuple[float, float]]
+@dataclass
+class Driven:
+    """What ``_drive`` measured: the wall time, every call's latency, this process's user
+    and system CPU seconds, and the CPU seconds (user + system) of each kind of thread
+    (``ROLES``), all from the release to the last call's end."""
+
+    wall: float
+    lat: list[float]
+    user: float
+    system: float
+    roles: dict[str, float]
+
+
+# The threads of this process by what they do, named by the prefix of their names: the
+# producers are the bench's own; the recorder's two threads and the pools of
+# ``storage._pools`` (their threads start on first use, so every second of theirs a run
+# counts is its own)
+ROLES = {"producers": "bench-producer", "gatherer": "poimen-recorder-gather",
+         "committer": "poimen-recorder-commit", "promotion": "poimen-promote",
+         "writes": "poimen-io", "other": ""}
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each live thread of this process, by its name, read
+    from the thread's own CPU clock (exact to the nanosecond, not the 10 ms ticks of
+    ``/proc``)."""
+    out = {}
+    for t in threading.enumerate():
+        if t.ident is None or not t.is_alive():
+            continue
+        try:
+            out[f"{t.name}@{t.ident}"] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except OSError:  # it ended meanwhile
+            continue
+    return out
+
+
+def _by_role(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    roles = dict.fromkeys(ROLES, 0.0)
+    for name, cpu in after.items():
+        role = next(r for r, prefix in ROLES.items() if name.startswith(prefix))
+        roles[role] += cpu - before.get(name, 0.0)
+    return roles
 
 
 def _drive(per: int, one: Callable[[int, int, bytes], None]) -> Driven:
     """``PRODUCERS`` threads released together, each calling ``one(p, k, body)`` ``per``
-    times in a row; returns the wall time, every call's latency, and this process's user
-    and system CPU seconds from the release to the last call's end (the bodies made and
-    the threads started before it are not counted)."""
+    times in a row (the bodies made and the threads started before the release are not
+    counted)."""
     bodies = [[os.urandom(BODY) for _ in range(per)] for _ in range(PRODUCERS)]
     barrier = threading.Barrier(PRODUCERS + 1)
+    done = threading.Barrier(PRODUCERS + 1)  # every producer done ...
+    read = threading.Event()  # ... and alive until their CPU clocks are read
     lat: list[float] = []
     errors: list[BaseException] = []
 
@@ -87,18 +130,25 @@ def _drive(per: int, one: Callable[[int, int, bytes], None]) -> Driven:
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
         lat.extend(mine)
+        done.wait()
+        read.wait()
 
-    threads = [threading.Thread(target=producer, args=(p,)) for p in range(PRODUCERS)]
+    threads = [threading.Thread(target=producer, args=(p,), name=f"bench-producer-{p}")
+               for p in range(PRODUCERS)]
     for t in threads:
         t.start()
     barrier.wait()
-    c0, t0 = os.times(), time.perf_counter()
+    c0, t0, cpu0 = os.times(), time.perf_counter(), _thread_cpu()
+    done.wait()
+    try:
+        wall, c1, cpu1 = time.perf_counter() - t0, os.times(), _thread_cpu()
+    finally:
+        read.set()
     for t in threads:
         t.join()
-    wall, c1 = time.perf_counter() - t0, os.times()
     if errors:
         raise errors[0]
-    return wall, lat, (c1.user - c0.user, c1.system - c0.system)
+    return Driven(wall, lat, c1.user - c0.user, c1.system - c0.system, _by_role(cpu0, cpu1))
 
 
 def _grouped(log: Any, per: int) -> Driven:
@@ -125,7 +175,8 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     time, latencies pooled over the rounds."""
     out: dict[str, Any] = {"ours_s": [], "ref_s": [], "ours_lat": [], "ref_lat": [],
                            "commits": [], "ours_flush_s": [], "ref_flush_s": [],
-                           "ours_cpu_user_s": 0.0, "ours_cpu_system_s": 0.0}
+                           "ours_cpu_user_s": 0.0, "ours_cpu_system_s": 0.0,
+                           "ours_roles_s": dict.fromkeys(ROLES, 0.0)}
     for fn in (_grouped, _one_by_one):  # warm-up, untimed (first Arrow conversions)
         fn(_open(root(f"warm-{fn.__name__}"), **open_kw), 1)
     # As a latency-minded engine does once started (README "Recording from many
@@ -139,15 +190,17 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
             sides = [("ours", _grouped, per_ours), ("ref", _one_by_one, per_ref)]
             for name, fn, per in sides[i % 2:] + sides[:i % 2]:
                 log = _open(root(f"{name}{i}"), **open_kw)
-                wall, lat, (user, system) = fn(log, per)
+                d = fn(log, per)
                 t0 = time.perf_counter()
                 log.flush()  # promotion: off the commit's path, but it must keep up
                 out[f"{name}_flush_s"].append(time.perf_counter() - t0)
-                out[f"{name}_s"].append(wall)
-                out[f"{name}_lat"] += lat
+                out[f"{name}_s"].append(d.wall)
+                out[f"{name}_lat"] += d.lat
                 if name == "ours":  # this process's CPU while recording (promotion too)
-                    out["ours_cpu_user_s"] += user
-                    out["ours_cpu_system_s"] += system
+                    out["ours_cpu_user_s"] += d.user
+                    out["ours_cpu_system_s"] += d.system
+                    for role, cpu in d.roles.items():
+                        out["ours_roles_s"][role] += cpu
                     out["commits"].append(log.head_seq)
     finally:
         gc.unfreeze()
@@ -158,6 +211,8 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     out["records_per_commit"] = records / sum(out["commits"])
     out["user_us_per_record"] = out["ours_cpu_user_s"] / records * 1e6
     out["system_us_per_record"] = out["ours_cpu_system_s"] / records * 1e6
+    out["roles_us_per_record"] = {role: cpu / records * 1e6
+                                  for role, cpu in out["ours_roles_s"].items()}
     for side, per in (("ours", per_ours), ("ref", per_ref)):  # until promoted, too
         out[f"{side}_drained"] = n * per * reps / (sum(out[f"{side}_s"])
                                                   + sum(out[f"{side}_flush_s"]))
@@ -194,9 +249,14 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
     # on local disk the user part is mostly Python, which runs one thread at a time (the
     # GIL): what one core of it allows bounds the recorder whatever the disk does (on S3
     # much of it is the HTTP client's, beside the waits on requests)
+    roles = m["roles_us_per_record"]
+    cpus = os.cpu_count() or 1
+    whole = m["user_us_per_record"] + m["system_us_per_record"]
     ceiling = "" if name != "group_commit" else (
         "; the user part is mostly Python, run one thread at a time (the GIL): one core "
-        f"of it allows {fmt_rate(2e6 / m['user_us_per_record'], 'events/s')}")
+        f"of it allows {fmt_rate(2e6 / m['user_us_per_record'], 'events/s')}; all of it "
+        f"on this machine's {cpus} cores at most "
+        f"{fmt_rate(2e6 * cpus / whole, 'events/s')}")
     return _result(ctx, name, title, ours=m["ours"], reference=m["ref"],
                    ratio=ratio, unit="events/s", ref_unit="events/s",
                    ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
@@ -209,7 +269,9 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
                         f"({fmt_ratio(m['ours_drained'] / m['ref_drained'])}); this "
                         f"process's CPU per record while recording: "
                         f"{m['user_us_per_record']:.0f} us user + "
-                        f"{m['system_us_per_record']:.0f} us system{ceiling}",
+                        f"{m['system_us_per_record']:.0f} us system{ceiling}; by "
+                        "thread (user + system): " + ", ".join(
+                            f"{role} {us:.0f} us" for role, us in roles.items()),
                    details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
                             "t_ours_flush_s": m["ours_flush_s"],
                             "t_ref_flush_s": m["ref_flush_s"],
@@ -217,6 +279,7 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
                             "commits": m["commits"],
                             "user_us_per_record": m["user_us_per_record"],
                             "system_us_per_record": m["system_us_per_record"],
+                            "roles_us_per_record": roles,
                             "records_per_commit": m["records_per_commit"]})
 
 
