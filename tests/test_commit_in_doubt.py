@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import pytest
 from conftest import BUCKET, S3Endpoint, S3Faults, snapshot_files
@@ -20,6 +21,7 @@ from test_log_processes import _assert_consistent
 
 import poimen_data as pdm
 from poimen_data import events as E
+from poimen_data.log import lease, lease_holder
 
 pytestmark = pytest.mark.s3
 
@@ -37,29 +39,50 @@ def _reopen(s3: S3Endpoint, prefix: str) -> pdm.EventLog:
     return pdm.open_log(f"s3://{BUCKET}/{prefix}", storage_options=s3.storage_options)
 
 
-def _manifest_down(faults: S3Faults, prefix: str, seq: int, *, stored: bool) -> None:
-    """The PUT of manifest ``seq`` is stored but answered 500 (``stored``) or not stored
-    (503), then every retry and every look at that manifest answers 503."""
+HOW = ["stored", "stored-then-taken", "not-stored"]
+
+
+def _manifest_down(faults: S3Faults, prefix: str, seq: int, how: str) -> None:
+    """The PUT of manifest ``seq`` is stored but answered 500, and its retries answered
+    503 (``stored``) or 412 "taken", so it reads as a lost race (``stored-then-taken``);
+    or it is not stored, and every retry answered 503 (``not-stored``). Every look at
+    that manifest answers 503."""
+    assert how in HOW
     key = f"/{prefix}/_log/{seq:020d}.json"
-    if stored:
+    if how != "not-stored":
         faults.add("PUT", key, "lost-answer", times=1)
-    for method in ("PUT", "GET", "HEAD"):
+    methods = ("GET", "HEAD") if how == "stored-then-taken" else ("PUT", "GET", "HEAD")
+    for method in methods:
         faults.add(method, key, "unavailable")
 
 
+@dataclass
+class _Reports:
+    """What a recorder's committer reported while a window was in doubt."""
+
+    first: threading.Event = field(default_factory=threading.Event)  # still in doubt
+    lease: threading.Event = field(default_factory=threading.Event)  # ... for the lease
+    txn: str = ""
+
+
 @contextmanager
-def _in_doubt_reported(hold: threading.Event | None = None) -> Iterator[threading.Event]:
-    """An event set when a recorder reports a window still in doubt (its warning); with
-    ``hold``, the committer reporting it is held there until ``hold`` is set (the first
-    time only), before it settles again."""
-    seen = threading.Event()
+def _in_doubt_reported(hold: threading.Event | None = None) -> Iterator[_Reports]:
+    """Events set as a recorder reports a window still in doubt (its warnings: the first
+    one, and one for a maintenance lease held); with ``hold``, the committer reporting
+    the first is held there until ``hold`` is set, before it settles again."""
+    seen = _Reports()
 
     class Handler(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if "still in doubt" in record.getMessage():
-                first = not seen.is_set()
-                seen.set()
-                if hold is not None and first:
+            text = record.getMessage()
+            if "still in doubt" not in text:
+                return
+            if "lease held" in text:
+                seen.lease.set()
+            if not seen.first.is_set():
+                seen.txn = str(record.args[1])  # type: ignore[index]
+                seen.first.set()
+                if hold is not None:
                     assert hold.wait(120)
 
     handler = Handler(logging.WARNING)
@@ -69,6 +92,18 @@ def _in_doubt_reported(hold: threading.Event | None = None) -> Iterator[threadin
         yield seen
     finally:
         logger.removeHandler(handler)
+
+
+@contextmanager
+def _recorder_in_doubt(s3: S3Endpoint, faults: S3Faults, how: str,
+                       hold: threading.Event | None = None
+                       ) -> Iterator[tuple[str, pdm.EventLog, pdm.Recorder, _Reports]]:
+    """A recorder (no delay) on a fresh log whose manifest 1 is down (``_manifest_down``),
+    and what its committer reports (``_in_doubt_reported``)."""
+    prefix, log = _log(s3)
+    _manifest_down(faults, prefix, 1, how)
+    with _in_doubt_reported(hold=hold) as in_doubt, log.recorder(max_delay_ms=0) as rec:
+        yield prefix, log, rec, in_doubt
 
 
 def _attempt(rec: pdm.Recorder, run: str, body: bytes) -> tuple[list[E.Event], pdm.BlobRef]:
@@ -81,18 +116,18 @@ def _runs(log: pdm.EventLog) -> list[tuple[int, str, str]]:
     return [(r["lsn"], r["run_id"], r["kind"]) for r in log.read_events().to_pylist()]
 
 
-@pytest.mark.parametrize("stored", [True, False], ids=["stored", "not-stored"])
+@pytest.mark.parametrize("how", HOW)
 def test_a_recorder_settles_a_window_in_doubt_once_storage_answers(
-        s3: S3Endpoint, s3_faults: S3Faults, stored: bool) -> None:
+        s3: S3Endpoint, s3_faults: S3Faults, how: str) -> None:
     """Stored or not, the window lands exactly once as seq 1 and its futures resolve:
-    found as ours, or put again under the seq nothing else took."""
-    prefix, log = _log(s3)
-    _manifest_down(s3_faults, prefix, 1, stored=stored)
+    found as ours, or put again under the seq nothing else took. Its files were kept
+    (a lost race used to abort them, under a manifest that named them) and its bodies
+    are promoted as any commit's."""
     body = b"a prompt recorded through an outage"
-    with _in_doubt_reported() as in_doubt, log.recorder(max_delay_ms=0) as rec:
+    with _recorder_in_doubt(s3, s3_faults, how) as (prefix, log, rec, in_doubt):
         events, ref = _attempt(rec, "run-d", body)
         fut = rec.record(events, blobs={ref: body})
-        assert in_doubt.wait(120)  # the publish failed and a first settle too
+        assert in_doubt.first.wait(120)  # the publish failed and a first settle too
         assert not fut.done()  # neither failed (it may have landed) nor resolved
         s3_faults.clear()
         assert fut.result(timeout=120) == pdm.CommitInfo(1, 1, 2)
@@ -101,7 +136,9 @@ def test_a_recorder_settles_a_window_in_doubt_once_storage_answers(
     assert log.head_seq == 2
     assert _runs(log) == [(1, "run-d", "attempt_dispatched"),
                           (2, "run-d", "attempt_finished"), (3, "run-e", "run_started")]
-    log.flush()  # its bodies promoted as any commit's
+    log.flush()  # its bodies promoted as any commit's, by this process
+    assert list(log.storage.walk_files("_staging")) == []
+    assert log.storage.read(f"blobs/acme/{ref.sha256[:2]}/{ref.sha256}") == body
     fresh = _reopen(s3, prefix)
     assert fresh.blobs.get(ref) == body
     assert [m.seq for m in fresh.manifests()] == [1, 2]
@@ -114,17 +151,17 @@ def test_close_fails_a_window_still_in_doubt_with_its_txn_to_settle(
     ``CommitUnknown`` (not a plain failure: the PUT was stored), and ``log.settle`` with
     its ``txn`` then finds the commit landed."""
     prefix, log = _log(s3)
-    _manifest_down(s3_faults, prefix, 1, stored=True)
+    _manifest_down(s3_faults, prefix, 1, "stored")
     with _in_doubt_reported() as in_doubt:
         rec = log.recorder(max_delay_ms=0)
         fut = rec.record([E.RunStarted("acme", "run-c", "wf")])
-        assert in_doubt.wait(120)
+        assert in_doubt.first.wait(120)
         rec.close()  # one last try, storage still down
     exc = fut.exception(timeout=0)
     assert type(exc) is pdm.CommitUnknown
     assert "may have landed as seq 1" in str(exc) and exc.txn in str(exc)
     assert log.publish_unknown(exc.txn)
-    again = pickle.loads(pickle.dumps(exc))  # crosses processes (Dask, multiprocessing)
+    again = pickle.loads(pickle.dumps(exc))  # its txn crosses processes, to be settled
     assert type(again) is pdm.CommitUnknown and again.txn == exc.txn
     s3_faults.clear()
     assert log.settle(exc.txn) == pdm.CommitInfo(1, 1, 1)
@@ -139,7 +176,7 @@ def _transaction_in_doubt(s3: S3Endpoint, faults: S3Faults, run: str
     """A transaction whose manifest PUT was not stored and never answered: it raises
     ``CommitUnknown`` naming its txn; storage answers again afterwards."""
     prefix, log = _log(s3)
-    _manifest_down(faults, prefix, 1, stored=False)
+    _manifest_down(faults, prefix, 1, "not-stored")
     with pytest.raises(pdm.CommitUnknown) as info:
         with log.transaction() as tx:
             ref = tx.put_blob("acme", f"a body of {run}".encode())
@@ -185,15 +222,13 @@ def test_a_window_in_doubt_that_did_not_land_is_committed_again(
     """The window's PUT was not stored, and another writer takes seq 1 while the committer
     is held before settling again: the window never lands, so its records are committed
     again (once each, after the other writer's commit), not failed."""
-    prefix, log = _log(s3)
-    _manifest_down(s3_faults, prefix, 1, stored=False)
     go = threading.Event()
     body = b"a prompt whose first window never landed"
-    with _in_doubt_reported(hold=go) as in_doubt, log.recorder(max_delay_ms=0) as rec:
+    with _recorder_in_doubt(s3, s3_faults, "not-stored", hold=go) as (prefix, log, rec, in_doubt):
         events, ref = _attempt(rec, "run-r", body)
         fut = rec.record(events, blobs={ref: body})
         try:
-            assert in_doubt.wait(120)
+            assert in_doubt.first.wait(120)
             s3_faults.clear()
             other = _reopen(s3, prefix)
             with other.transaction() as tx:
@@ -209,3 +244,82 @@ def test_a_window_in_doubt_that_did_not_land_is_committed_again(
     assert fresh.blobs.get(ref) == body
     pdm.vacuum(fresh, grace=0, force=True)  # the first window's files reach nothing
     _assert_consistent(_reopen(s3, prefix))
+
+
+def test_settle_waits_while_maintenance_holds_the_lease(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The seq is free, so settling would put the manifest; while a maintenance job
+    holds the lease (a vacuum could be removing its files) it does not: ``LeaseHeld``,
+    still in doubt, nothing published. Once the lease is free, it lands."""
+    prefix, log, txn = _transaction_in_doubt(s3, s3_faults, "run-l")
+    other = _reopen(s3, prefix)
+    with lease(other, renew=False):
+        with pytest.raises(pdm.LeaseHeld):
+            log.settle(txn)
+        assert log.publish_unknown(txn) and other.head_seq == 0
+    assert log.settle(txn) == pdm.CommitInfo(1, 1, 1)
+    assert lease_holder(log) is None  # settle gave the lease back
+    log.flush()
+    assert list(log.storage.walk_files("_staging")) == []
+    _assert_consistent(_reopen(s3, prefix))
+
+
+def test_a_recorder_settles_again_while_maintenance_holds_the_lease(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """Storage answers again but a maintenance job holds the lease: the window stays in
+    doubt (its future pending) until the lease is free, then lands."""
+    go = threading.Event()
+    with _recorder_in_doubt(s3, s3_faults, "not-stored", hold=go) as (prefix, log, rec, in_doubt):
+        fut = rec.record([E.RunStarted("acme", "run-m", "wf")])
+        try:
+            assert in_doubt.first.wait(120)  # the committer is held before its next settle
+            s3_faults.clear()
+            held = lease(_reopen(s3, prefix), renew=False)
+            held.__enter__()
+        finally:
+            go.set()
+        try:
+            assert in_doubt.lease.wait(120)  # it settled again and met the lease
+            assert not fut.done()
+        finally:
+            held.__exit__(None, None, None)
+        assert fut.result(timeout=120) == pdm.CommitInfo(1, 1, 1)
+    assert _runs(log) == [(1, "run-m", "run_started")]
+
+
+def test_a_settle_error_it_cannot_retry_fails_the_window_with_its_txn(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """Settling meets an error that is not storage still failing (here: the caller
+    settled the txn itself meanwhile): the futures fail with the ``CommitUnknown``,
+    whose txn says which commit to look for, not with that error."""
+    go = threading.Event()
+    with _recorder_in_doubt(s3, s3_faults, "stored", hold=go) as (prefix, log, rec, in_doubt):
+        fut = rec.record([E.RunStarted("acme", "run-x", "wf")])
+        try:
+            assert in_doubt.first.wait(120)
+            s3_faults.clear()
+            txn = in_doubt.txn
+            assert log.settle(txn) == pdm.CommitInfo(1, 1, 1)
+        finally:
+            go.set()
+        exc = fut.exception(timeout=120)
+    assert type(exc) is pdm.CommitUnknown and exc.txn == txn
+    assert _runs(log) == [(1, "run-x", "run_started")]
+
+
+def test_a_failed_manifest_put_that_storage_shows_absent_is_a_plain_failure(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The manifest PUT keeps failing (not stored) but reading answers: the look shows
+    the commit absent, so it is not in doubt: the storage error is raised and the
+    commit's files are removed as any failed commit's."""
+    prefix, log = _log(s3)
+    before = snapshot_files(log)
+    s3_faults.add("PUT", f"/{prefix}/_log/{1:020d}.json", "unavailable")
+    with pytest.raises(pdm.StorageError, match="kept failing") as info:
+        with log.transaction() as tx:
+            ref = tx.put_blob("acme", b"a body whose commit failed")
+            tx.append(E.AttemptDispatched("acme", "run-p", 0, "s", 0, 1, prompt=ref))
+    assert not isinstance(info.value, pdm.CommitConflict)
+    assert not log.publish_unknown(tx.txn)
+    s3_faults.clear()
+    assert snapshot_files(log) == before and log.head_seq == 0

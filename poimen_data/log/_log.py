@@ -36,6 +36,7 @@ from poimen_data.errors import (
 )
 from poimen_data.log._blobs import FsBlobStore
 from poimen_data.log._faults import crash_point
+from poimen_data.log._lease import lease
 from poimen_data.log._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -458,35 +459,55 @@ class EventLog:
 
     def settle(self, txn: str) -> CommitInfo | None:
         """Decide a commit whose publish failed without telling whether it landed
-        (``CommitUnknown``): its ``CommitInfo`` if it landed, None if it did not and never
-        will. Raises ``StorageError`` (or the storage's ``OSError``) while storage still
-        fails: the commit is still in doubt then, and ``settle`` may be called again.
+        (``CommitUnknown``, raised by this ``EventLog``: the manifest in doubt is held
+        here): its ``CommitInfo`` if it landed, None if it did not and never will. Raises
+        ``StorageError`` (or the storage's ``OSError``) while storage still fails, and
+        ``LeaseHeld`` while a maintenance job runs: the commit is still in doubt then, and
+        ``settle`` may be called again.
 
         Its manifest was put under one seq, which nothing but that put can fill with it.
-        Once that seq is taken, the manifest there says whose it is. While it is free, the
-        same manifest is put there again (put-if-absent, idempotent by ``txn``): the commit
-        then lands now, and its bodies are promoted as any commit's. Decided "did not
-        land", its staged files are left to ``vacuum`` (nothing reaches them).
+        Once that seq is taken, the manifest there says whose it is (ours: its bodies are
+        promoted now, as any commit's). While it is free, the same manifest is put there
+        again (put-if-absent, idempotent by ``txn``), under the maintenance lease, so
+        that no ``vacuum`` removes the files it names meanwhile, and only if they are all
+        still there (a vacuum during a long outage may have removed them: it did not land
+        then, and they stay as vacuum left them). Decided "did not land", its staged
+        files are left to ``vacuum`` (nothing reaches them).
         """
         with self._lock:
             m = self._unknown.get(txn)
-            if m is None:
-                raise ValidationError(f"settle: txn {txn!r} has no publish in doubt in this "
-                                      "process (decided already, or never in doubt)")
-            self.refresh()
-            if self._state.seq < m.seq and self._files_kept(m):
-                # that seq is free: the same manifest is put there
-                if self.storage.put_if_absent(manifest_path(m.seq), m.to_bytes()):
-                    self._state.apply(m)
-                    del self._unknown[txn]
-                    self._settled_landed(m)
-                    return CommitInfo(m.seq, m.first_lsn, m.last_lsn)
-                self.refresh()  # taken meanwhile: by an earlier put of ours, or another
-            there = self._read_manifest(m.seq)
+        if m is None:
+            raise ValidationError(f"settle: txn {txn!r} has no publish in doubt in this "
+                                  "EventLog (decided already, never in doubt, or raised by "
+                                  "another EventLog)")
+        if self._seq_free(m.seq):
+            with lease(self, renew=False):  # LeaseHeld: maintenance runs, settle later
+                kept = self._files_kept(m)
+                with self._lock:
+                    if self._seq_free(m.seq):
+                        if not kept:
+                            del self._unknown[txn]
+                            return None
+                        if self.storage.put_if_absent(manifest_path(m.seq), m.to_bytes()):
+                            self._state.apply(m)
+                            del self._unknown[txn]
+                            self._settled_landed(m)
+                            return CommitInfo(m.seq, m.first_lsn, m.last_lsn)
+            self.refresh()  # taken meanwhile: by an earlier put of ours, or another's
+        there = self.read_manifest(m.seq)
+        with self._lock:
             del self._unknown[txn]
-            if there is None or there.txn != txn:
-                return None  # taken by another, or its files gone (a long outage's vacuum)
-            return CommitInfo(there.seq, there.first_lsn, there.last_lsn)
+        if there.txn != txn:
+            return None
+        self._settled_landed(there)  # ours, never promoted: this process saw it fail
+        return CommitInfo(there.seq, there.first_lsn, there.last_lsn)
+
+    def _seq_free(self, seq: int) -> bool:
+        """No manifest under ``seq`` as of the last refresh (a fresh refresh: under the
+        lock, or just before, when the caller reads again under it)."""
+        with self._lock:
+            self.refresh()
+            return self._state.seq < seq
 
     def _files_kept(self, m: Manifest) -> bool:
         """Every file ``m`` names is still there: a ``vacuum`` during a long outage may
@@ -497,7 +518,7 @@ class EventLog:
         return all(self.storage.exists(f) for f in sorted(files))
 
     def _settled_landed(self, m: Manifest) -> None:
-        """A commit ``settle`` published: its bodies are promoted as any commit's (a
+        """A commit ``settle`` found landed: its bodies are promoted as any commit's (a
         failure leaves them to the next open's roll-forward, as a crash would)."""
         keep = any(b.staged and self.ever_reduced((b.tenant, b.sha256)) for b in m.blobs)
         try:
@@ -815,61 +836,77 @@ class EventLog:
 
     # -- publishing ---------------------------------------------------------------
 
-    def _find_own(self, txn: str) -> Manifest | None:
-        """Our manifest if an ambiguous publish landed after all (None when storage is
-        still failing: then nobody can tell)."""
-        before = self._state.seq
-        try:
+    def _look_for_own(self, txn: str) -> Manifest | None:
+        """Our manifest among those published since we last looked (a PUT of ours that
+        was stored although its answer said otherwise), or None; raises what storage
+        raises when it cannot tell."""
+        with self._lock:
+            before = self._state.seq
             self.refresh()
-        except OSError:
-            return None
-        return next((m for m in self._state.manifests_since_checkpoint
-                     if m.seq > before and m.txn == txn), None)
+            return next((m for m in self._state.manifests_since_checkpoint
+                         if m.seq > before and m.txn == txn), None)
+
+    def _in_doubt(self, m: Manifest, exc: BaseException) -> CommitUnknown:
+        """``m`` may have landed and storage cannot tell: hold it for ``settle``."""
+        with self._lock:
+            self._unknown[m.txn] = m
+        return CommitUnknown(
+            f"txn {m.txn}: storage kept failing: {exc} (the commit may have landed as seq "
+            f"{m.seq}: log.settle({m.txn!r}) on this EventLog tells once storage answers)",
+            m.txn)
 
     def _publish(self, make: Any, txn: str) -> Manifest:
         """Publish the manifest ``make(seq, first_lsn)`` at the next free seq.
 
         Idempotent: whenever we read manifests we had not seen, one of them may be our own
         (a PUT whose answer was lost, then retried and refused); finding our ``txn`` there
-        means the commit landed, and it is never published twice.
+        means the commit landed, and it is never published twice. Where storage errors
+        are ambiguous (an object store), a put that failed, or came back "taken", may
+        have stored ours: if storage then cannot show what is there either, the commit is
+        in doubt (``CommitUnknown``, see ``settle``; abort keeps its files, which a landed
+        commit names). A failed put whose look shows ours absent did not land: its error
+        is raised.
         """
+        ambiguous = self.storage.ambiguous_errors
+        taken: Manifest | None = None  # the last put that came back "taken"
         for attempt in range(MAX_COMMIT_ATTEMPTS):
             with self._lock:
                 # Optimistic first try at the head we know: if another commit took that
                 # seq, put-if-absent fails and we read what we missed; if it succeeds,
                 # no manifest existed that we had not read.
                 if attempt:
-                    before = self._state.seq
-                    self.refresh()
-                    mine = [m for m in self._state.manifests_since_checkpoint
-                            if m.seq > before and m.txn == txn]
-                    if mine:
-                        return mine[0]
+                    try:
+                        own = self._look_for_own(txn)
+                    except OSError as exc:
+                        if not ambiguous or taken is None:
+                            raise
+                        raise self._in_doubt(taken, exc) from exc
+                    if own is not None:
+                        return own
                 seq, first = self._state.seq + 1, self._state.lsn + 1
                 m: Manifest = make(seq, first)
-                name = manifest_path(seq)
+                taken = None
                 try:
-                    won = self.storage.put_if_absent(name, m.to_bytes())
+                    won = self.storage.put_if_absent(manifest_path(seq), m.to_bytes())
                 except (OSError, TimeoutError) as exc:
-                    if not self.storage.ambiguous_errors:
+                    if not ambiguous:
                         raise  # a local error is not ambiguous: it did not land
                     # The storage's retry layer spent its deadline: no second retry loop
-                    # here. The PUT may have landed; look once for our txn, then give up
-                    # (abort leaves the files to vacuum's reachability check).
-                    self._unknown[txn] = m
-                    own = self._find_own(txn)
+                    # here. The PUT may have landed: look for our txn once.
+                    try:
+                        own = self._look_for_own(txn)
+                    except OSError:
+                        raise self._in_doubt(m, exc) from exc
                     if own is not None:
-                        del self._unknown[txn]
                         return own
-                    raise CommitUnknown(
-                        f"txn {txn}: storage kept failing: {exc} (the commit may have "
-                        f"landed as seq {seq}: log.settle({txn!r}) tells once storage "
-                        "answers)", txn) from exc
-                if won:
-                    self._state.apply(m)
-                    return m
-                self.publish_retries += 1
-            _lost_race_pause(attempt, remote=self.storage.ambiguous_errors)
+                    raise  # storage answers again and ours is not there: it did not land
+                else:
+                    if won:
+                        self._state.apply(m)
+                        return m
+                    taken = m
+                    self.publish_retries += 1
+            _lost_race_pause(attempt, remote=ambiguous)
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
 
     # -- streaming reads: one segment in memory at a time --------------------------

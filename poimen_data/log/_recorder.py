@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from poimen_data.errors import CommitUnknown, PoimenError, ValidationError
+from poimen_data.errors import CommitUnknown, LeaseHeld, PoimenError, ValidationError
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, ref_problem
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import events_to_table
@@ -779,31 +779,34 @@ class Recorder:
 
     def _settle(self, exc: CommitUnknown) -> CommitInfo | BaseException | None:
         """Decide a window whose publish failed without telling whether it landed
-        (``EventLog.settle``), retrying while storage still fails, after a pause that
-        doubles (``SETTLE_PAUSE_S``); later windows wait, since records commit in the
-        order they were handed over. Returns the window's ``CommitInfo`` if it landed,
-        None if it did not (another commit took its seq, or its files are gone: it never
-        will), else what its records fail with: ``exc`` itself if the recorder closed (or
-        stopped) first, since after one last try ``close`` does not wait for storage to
-        come back."""
+        (``EventLog.settle``), again and again while storage still fails (or maintenance
+        holds the lease), after a pause that doubles (``SETTLE_PAUSE_S``); later windows
+        wait, since records commit in the order they were handed over. Returns the
+        window's ``CommitInfo`` if it landed, None if it did not (another commit took its
+        seq, or its files are gone: it never will), else what its records fail with:
+        ``exc`` itself (its ``txn`` still in doubt, to settle) when the recorder closed
+        (or stopped) first, since after one last try ``close`` does not wait for storage
+        to come back, or when settling met an error it cannot retry."""
         pause, longest = SETTLE_PAUSE_S
         while True:
             with self._cond:
                 last = self._closed
             try:
                 info = self.log.settle(exc.txn)
-            except OSError as err:  # storage still failing (StorageError is one)
+            except (OSError, LeaseHeld) as err:  # still in doubt (StorageError is one)
                 if last:
                     return exc
                 _logger.warning("%s: txn %s still in doubt, settling again in %.1f s: %s",
                                 self.log.root, exc.txn, pause, err)
-                with self._cond:
-                    if not self._closed:
-                        self._commit_cv.wait(pause)  # close (or stop) ends the pause
+                deadline = time.monotonic() + pause
+                with self._cond:  # only close (or stop) ends the pause early
+                    while not self._closed and (left := deadline - time.monotonic()) > 0:
+                        self._commit_cv.wait(left)
                 pause = min(2 * pause, longest)
                 continue
-            except BaseException as err:  # noqa: BLE001 - handed to the producers
-                return err
+            except BaseException as err:  # noqa: BLE001 - the producers get the txn
+                _logger.error("%s: settling txn %s failed: %r", self.log.root, exc.txn, err)
+                return exc
             if info is None:
                 _logger.warning("%s: txn %s settled: it did not land; its records are "
                                 "committed again, one by one", self.log.root, exc.txn)
