@@ -96,7 +96,8 @@ _PUT_LOCK = threading.Lock()
 class S3Faults:
     """Faults the moto server injects into its real HTTP answers (on 127.0.0.1): a rule
     matches a method and a key suffix and either answers ``unavailable`` (503 SlowDown,
-    nothing done) or ``lost-answer`` (the request takes effect, the answer is a 500).
+    nothing done), ``forbidden`` (403 AccessDenied, nothing done: not retried) or
+    ``lost-answer`` (the request takes effect, the answer is a 500).
     ``times`` limits how often a rule fires (None: always); ``requests`` counts what the
     server saw per method while any rule was installed."""
 
@@ -104,7 +105,7 @@ class S3Faults:
     requests: dict[str, int]
 
     def add(self, method: str, suffix: str, action: str, times: int | None = None) -> None:
-        assert action in ("unavailable", "lost-answer")
+        assert action in ("unavailable", "forbidden", "lost-answer")
         with _FAULT_LOCK:
             self.rules.append({"method": method, "suffix": suffix, "action": action,
                                "times": times, "fired": 0})
@@ -149,6 +150,9 @@ def _install_fault_hook() -> None:
         action = _FAULTS.decide(request.method, urlparse(full_url).path)
         if action == "unavailable":
             return 503, {"Content-Type": "application/xml"}, _ERROR_XML.format(code="SlowDown")
+        if action == "forbidden":
+            return 403, {"Content-Type": "application/xml"}, \
+                _ERROR_XML.format(code="AccessDenied")
         resp = original(self, request, full_url, headers)
         if action == "lost-answer" and resp[0] < 300:
             return 500, {"Content-Type": "application/xml"}, \

@@ -61,15 +61,17 @@ class _Reports:
     """What a recorder's committer reported while a window was in doubt."""
 
     first: threading.Event = field(default_factory=threading.Event)  # still in doubt
+    second: threading.Event = field(default_factory=threading.Event)  # another txn
     lease: threading.Event = field(default_factory=threading.Event)  # ... for the lease
     txn: str = ""
 
 
 @contextmanager
 def _in_doubt_reported(hold: threading.Event | None = None) -> Iterator[_Reports]:
-    """Events set as a recorder reports a window still in doubt (its warnings: the first
-    one, and one for a maintenance lease held); with ``hold``, the committer reporting
-    the first is held there until ``hold`` is set, before it settles again."""
+    """Events set as a recorder reports a commit still in doubt (its warnings: the first
+    one, one for a maintenance lease held, one for another txn); with ``hold``, the
+    committer reporting the first is held there until ``hold`` is set, before it settles
+    again."""
     seen = _Reports()
 
     class Handler(logging.Handler):
@@ -79,6 +81,8 @@ def _in_doubt_reported(hold: threading.Event | None = None) -> Iterator[_Reports
                 return
             if "lease held" in text:
                 seen.lease.set()
+            if seen.first.is_set() and str(record.args[1]) != seen.txn:  # type: ignore[index]
+                seen.second.set()
             if not seen.first.is_set():
                 seen.txn = str(record.args[1])  # type: ignore[index]
                 seen.first.set()
@@ -307,12 +311,31 @@ def test_a_settle_error_it_cannot_retry_fails_the_window_with_its_txn(
     assert _runs(log) == [(1, "run-x", "run_started")]
 
 
-def test_a_failed_manifest_put_that_storage_shows_absent_is_a_plain_failure(
+def test_a_failed_manifest_put_whose_seq_is_free_stays_in_doubt(
         s3: S3Endpoint, s3_faults: S3Faults) -> None:
-    """The manifest PUT keeps failing (not stored) but reading answers: the look shows
-    the commit absent, so it is not in doubt: the storage error is raised and the
-    commit's files are removed as any failed commit's."""
+    """The manifest PUT keeps failing and reading answers: its seq is free, but a request
+    the client gave up on may still be stored, so the commit is in doubt and keeps its
+    files; settling puts it there itself once storage answers."""
     prefix, log = _log(s3)
+    s3_faults.add("PUT", f"/{prefix}/_log/{1:020d}.json", "unavailable")
+    with pytest.raises(pdm.CommitUnknown) as info:
+        with log.transaction() as tx:
+            ref = tx.put_blob("acme", b"a body whose PUT may still land")
+            tx.append(E.AttemptDispatched("acme", "run-p", 0, "s", 0, 1, prompt=ref))
+    s3_faults.clear()
+    assert log.head_seq == 0 and len(list(log.storage.walk_files("segments"))) == 1
+    assert log.settle(info.value.txn) == pdm.CommitInfo(1, 1, 1)
+    _assert_consistent(_reopen(s3, prefix))
+
+
+def test_a_failed_manifest_put_whose_seq_holds_another_commit_is_a_plain_failure(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The writer's head is old: another commit already holds seq 1 when its PUT there
+    keeps failing. Ours can never land under that seq: the storage error is raised (not
+    in doubt) and the commit's files are removed as any failed commit's."""
+    prefix, log = _log(s3)
+    with _reopen(s3, prefix).transaction() as other:
+        other.append(E.RunStarted("acme", "run-o", "wf"))
     before = snapshot_files(log)
     s3_faults.add("PUT", f"/{prefix}/_log/{1:020d}.json", "unavailable")
     with pytest.raises(pdm.StorageError, match="kept failing") as info:
@@ -322,4 +345,68 @@ def test_a_failed_manifest_put_that_storage_shows_absent_is_a_plain_failure(
     assert not isinstance(info.value, pdm.CommitConflict)
     assert not log.publish_unknown(tx.txn)
     s3_faults.clear()
-    assert snapshot_files(log) == before and log.head_seq == 0
+    assert snapshot_files(log) == before and log.head_seq == 1
+
+
+def test_settle_takes_back_a_lease_it_left_behind(s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """Settling's lease PUT was stored but its answers kept failing: the lease it left
+    is its own, so the next settle takes it back (it does not wait out the lease's
+    expiry, nor does maintenance wait once it is done)."""
+    prefix, log, txn = _transaction_in_doubt(s3, s3_faults, "run-l")
+    key = f"/{prefix}/_lease.json"
+    s3_faults.add("PUT", key, "lost-answer", times=1)
+    s3_faults.add("PUT", key, "unavailable")
+    with pytest.raises(pdm.StorageError):
+        log.settle(txn)
+    s3_faults.clear()
+    assert lease_holder(log) is not None and log.publish_unknown(txn)
+    assert log.settle(txn) == pdm.CommitInfo(1, 1, 1)
+    assert lease_holder(log) is None
+    pdm.vacuum(_reopen(s3, prefix), grace=0, force=True)  # the lease is free
+
+
+def test_a_record_committed_again_is_settled_too_when_in_doubt(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The window did not land (another writer took seq 1), and the commit of its record
+    on its own ends in doubt as well (storage fails again at seq 2): that record is
+    settled like a window, its future pending meanwhile, and lands as seq 2."""
+    go = threading.Event()
+    with _recorder_in_doubt(s3, s3_faults, "not-stored", go) as (prefix, log, rec, in_doubt):
+        fut = rec.record([E.RunStarted("acme", "run-e", "wf")])
+        try:
+            assert in_doubt.first.wait(120)
+            s3_faults.clear()
+            with _reopen(s3, prefix).transaction() as tx:
+                tx.append(E.RunStarted("acme", "run-o", "wf"))
+            s3_faults.add("PUT", f"/{prefix}/_log/{2:020d}.json", "unavailable")
+        finally:
+            go.set()
+        assert in_doubt.second.wait(120)  # the record's own commit, in doubt
+        assert not fut.done()
+        s3_faults.clear()
+        assert fut.result(timeout=120) == pdm.CommitInfo(2, 2, 2)
+    assert _runs(log) == [(1, "run-o", "run_started"), (2, "run-e", "run_started")]
+
+
+@pytest.mark.parametrize("where", ["retry", "look"])
+def test_a_stored_put_whose_retry_or_look_is_refused_outright_is_found_or_in_doubt(
+        s3: S3Endpoint, s3_faults: S3Faults, where: str) -> None:
+    """The manifest PUT is stored, answered 500, and then storage refuses outright (403,
+    not an ``OSError``, never retried): the PUT's retry, so the look finds the commit
+    ours; or the look, so it is in doubt. Either way its files stay."""
+    prefix, log = _log(s3)
+    key = f"/{prefix}/_log/{1:020d}.json"
+    s3_faults.add("PUT", key, "lost-answer", times=1)
+    s3_faults.add("GET" if where == "look" else "PUT", key, "forbidden")
+    if where == "retry":
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", "run-f", "wf"))
+        assert tx.commit_info == pdm.CommitInfo(1, 1, 1)
+    else:
+        with pytest.raises(pdm.CommitUnknown) as info:
+            with log.transaction() as tx:
+                tx.append(E.RunStarted("acme", "run-f", "wf"))
+        s3_faults.clear()
+        assert log.settle(info.value.txn) == pdm.CommitInfo(1, 1, 1)
+    s3_faults.clear()
+    assert _runs(_reopen(s3, prefix)) == [(1, "run-f", "run_started")]

@@ -1,7 +1,8 @@
 """The maintenance lease: one process at a time may run the jobs that remove or rewrite
 files (vacuum, reduce, compact), and a commit in doubt is settled under it
-(``EventLog.settle``: the files it would publish must not be vacuumed meanwhile). Writers
-never take it. Here in the log layer so that the log can take it; ``jobs`` re-exports it.
+(``EventLog.settle``: the files it would publish must not be vacuumed meanwhile); a
+commit never takes it. Here in the log layer so that the log can take it; ``jobs``
+re-exports it.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ class Lease:
     took over from an expired one.
     """
 
-    def __init__(self, log: EventLog, ttl_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, log: EventLog, ttl_s: float, clock: Callable[[], float], *,
+                 owner: str | None = None) -> None:
         self.log, self.ttl_s, self.clock = log, ttl_s, clock
-        self.owner = uuid.uuid4().hex
+        # a fresh owner per lease, or one its caller keeps: a lease that caller left
+        # behind (its release failed, or the answer to its PUT was lost) is taken back
+        self.owner = owner or uuid.uuid4().hex
         self.lost = False
         self.expires = 0.0  # the last expiry this process wrote
         self._progress = self._verified = clock()
@@ -55,7 +59,8 @@ class Lease:
         st = self.log.storage
         if not st.put_if_absent(LEASE, self._body()) and \
                 not self._ours(held := _read_lease(self.log)):
-            if held is not None and held["expires"] > self.clock():
+            if held is not None and held["expires"] > self.clock() \
+                    and held.get("owner") != self.owner:
                 raise LeaseHeld(f"{self.log.root}: maintenance lease held by "
                                 f"{held.get('owner')} for "
                                 f"{held['expires'] - self.clock():.0f} s more")

@@ -17,6 +17,7 @@ import os
 import random
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -36,7 +37,7 @@ from poimen_data.errors import (
 )
 from poimen_data.log._blobs import FsBlobStore
 from poimen_data.log._faults import crash_point
-from poimen_data.log._lease import lease
+from poimen_data.log._lease import Lease
 from poimen_data.log._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -273,6 +274,8 @@ class EventLog:
         # txns whose publish failed without telling if it landed: the seq it was put
         # under and the manifest put there (see settle)
         self._unknown: dict[str, Manifest] = {}
+        self._settling = threading.Lock()
+        self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
         self._promotions: list[Future[None]] = []
         self.blobs = FsBlobStore(self)
@@ -461,46 +464,65 @@ class EventLog:
         """Decide a commit whose publish failed without telling whether it landed
         (``CommitUnknown``, raised by this ``EventLog``: the manifest in doubt is held
         here): its ``CommitInfo`` if it landed, None if it did not and never will. Raises
-        ``StorageError`` (or the storage's ``OSError``) while storage still fails, and
+        ``StorageError`` (or another error of the storage) while storage still fails, and
         ``LeaseHeld`` while a maintenance job runs: the commit is still in doubt then, and
         ``settle`` may be called again.
 
         Its manifest was put under one seq, which nothing but that put can fill with it.
         Once that seq is taken, the manifest there says whose it is (ours: its bodies are
-        promoted now, as any commit's). While it is free, the same manifest is put there
-        again (put-if-absent, idempotent by ``txn``), under the maintenance lease, so
-        that no ``vacuum`` removes the files it names meanwhile, and only if they are all
-        still there (a vacuum during a long outage may have removed them: it did not land
-        then, and they stay as vacuum left them). Decided "did not land", its staged
-        files are left to ``vacuum`` (nothing reaches them).
+        promoted now, as any commit's, and an interval's checkpoint written). While it is
+        free, the same manifest is put there again (put-if-absent, idempotent by ``txn``),
+        under the maintenance lease, so that no ``vacuum`` removes the files it names
+        meanwhile, and only if they are all still there (a vacuum during a long outage may
+        have removed them: it did not land then, and they stay as vacuum left them).
+        Decided "did not land", its staged files are left to ``vacuum`` (nothing reaches
+        them).
         """
-        with self._lock:
-            m = self._unknown.get(txn)
-        if m is None:
-            raise ValidationError(f"settle: txn {txn!r} has no publish in doubt in this "
-                                  "EventLog (decided already, never in doubt, or raised by "
-                                  "another EventLog)")
-        if self._seq_free(m.seq):
-            with lease(self, renew=False):  # LeaseHeld: maintenance runs, settle later
-                kept = self._files_kept(m)
-                with self._lock:
-                    if self._seq_free(m.seq):
-                        if not kept:
-                            del self._unknown[txn]
-                            return None
-                        if self.storage.put_if_absent(manifest_path(m.seq), m.to_bytes()):
-                            self._state.apply(m)
-                            del self._unknown[txn]
-                            self._settled_landed(m)
-                            return CommitInfo(m.seq, m.first_lsn, m.last_lsn)
-            self.refresh()  # taken meanwhile: by an earlier put of ours, or another's
-        there = self.read_manifest(m.seq)
-        with self._lock:
-            del self._unknown[txn]
-        if there.txn != txn:
-            return None
-        self._settled_landed(there)  # ours, never promoted: this process saw it fail
-        return CommitInfo(there.seq, there.first_lsn, there.last_lsn)
+        with self._settling:  # one settle at a time in this EventLog: one lease owner
+            with self._lock:
+                m = self._unknown.get(txn)
+            if m is None:
+                raise ValidationError(f"settle: txn {txn!r} has no publish in doubt in "
+                                      "this EventLog (decided already, never in doubt, or "
+                                      "raised by another EventLog)")
+            there = self._at_seq(m)
+            if there is False:
+                there = self._put_again(m)
+            with self._lock:
+                self._unknown.pop(txn, None)
+            if not isinstance(there, Manifest):
+                return None
+            self._settled_landed(there)  # ours, never promoted: this process saw it fail
+            return CommitInfo(there.seq, there.first_lsn, there.last_lsn)
+
+    def _put_again(self, m: Manifest) -> Manifest | bool:
+        """Put ``m`` again under its seq, found free, holding the maintenance lease (a
+        short one, this ``EventLog``'s own: one it left behind, its release failed, is
+        taken back): ``m`` if it lands, the ``_at_seq`` answer if the seq was taken
+        meanwhile, True if a file it names is gone."""
+        held = Lease(self, self._settle_lease_ttl(), time.time, owner=self._settle_owner)
+        held.acquire(renew=False)
+        try:
+            if not self._files_kept(m):
+                return True  # vacuumed: never put a manifest naming missing files
+            held.check()  # still ours: no vacuum started in between
+            with self._lock:
+                if self._seq_free(m.seq):
+                    if self.storage.put_if_absent(manifest_path(m.seq), m.to_bytes()):
+                        self._state.apply(m)
+                        return m
+            return self._at_seq(m)  # taken meanwhile: by an earlier put of ours, or another
+        finally:
+            try:
+                held.release()
+            except Exception as exc:  # noqa: BLE001 - it expires; this EventLog retakes it
+                _logger.warning("%s: releasing the maintenance lease after settling failed "
+                                "(it expires in %.0f s): %s", self.root, held.ttl_s, exc)
+
+    def _settle_lease_ttl(self) -> float:
+        """Long enough for ``_put_again``'s few requests, each retried up to the storage's
+        deadline; short, since a lease left behind stops maintenance until it expires."""
+        return 30.0 + 4 * self.storage.retry.deadline_s
 
     def _seq_free(self, seq: int) -> bool:
         """No manifest under ``seq`` as of the last refresh (a fresh refresh: under the
@@ -518,11 +540,13 @@ class EventLog:
         return all(self.storage.exists(f) for f in sorted(files))
 
     def _settled_landed(self, m: Manifest) -> None:
-        """A commit ``settle`` found landed: its bodies are promoted as any commit's (a
-        failure leaves them to the next open's roll-forward, as a crash would)."""
+        """A commit ``settle`` found landed: its bodies are promoted and an interval's
+        checkpoint written, as for any commit (a failure leaves them to the next open's
+        roll-forward and a later commit, as a crash would)."""
         keep = any(b.staged and self.ever_reduced((b.tenant, b.sha256)) for b in m.blobs)
         try:
             self._after_publish(m, keep_staging=keep)
+            self._maybe_checkpoint(m.seq)
         except Exception as exc:  # noqa: BLE001 - housekeeping a later open redoes
             _logger.warning("commit seq %d landed; promotion deferred: %s", m.seq, exc)
 
@@ -836,18 +860,23 @@ class EventLog:
 
     # -- publishing ---------------------------------------------------------------
 
-    def _look_for_own(self, txn: str) -> Manifest | None:
-        """Our manifest among those published since we last looked (a PUT of ours that
-        was stored although its answer said otherwise), or None; raises what storage
-        raises when it cannot tell."""
+    def _at_seq(self, m: Manifest) -> Manifest | bool:
+        """After a put of ``m`` that may have stored it: the manifest now under ``m.seq``
+        if it is ours (our txn), True if it is another commit's, False while that seq is
+        free; raises what storage raises when it cannot tell. Looks at that very seq:
+        another thread's refresh may have read ours meanwhile."""
         with self._lock:
-            before = self._state.seq
             self.refresh()
-            return next((m for m in self._state.manifests_since_checkpoint
-                         if m.seq > before and m.txn == txn), None)
+            if self._state.seq < m.seq:
+                return False
+            there = next((x for x in self._state.manifests_since_checkpoint
+                          if x.seq == m.seq), None)
+        if there is None:  # a checkpoint was written past it meanwhile
+            there = self.read_manifest(m.seq)
+        return there if there.txn == m.txn else True
 
     def _in_doubt(self, m: Manifest, exc: BaseException) -> CommitUnknown:
-        """``m`` may have landed and storage cannot tell: hold it for ``settle``."""
+        """``m`` may have landed, or may still: hold it for ``settle``."""
         with self._lock:
             self._unknown[m.txn] = m
         return CommitUnknown(
@@ -858,56 +887,54 @@ class EventLog:
     def _publish(self, make: Any, txn: str) -> Manifest:
         """Publish the manifest ``make(seq, first_lsn)`` at the next free seq.
 
-        Idempotent: whenever we read manifests we had not seen, one of them may be our own
-        (a PUT whose answer was lost, then retried and refused); finding our ``txn`` there
-        means the commit landed, and it is never published twice. Where storage errors
-        are ambiguous (an object store), a put that failed, or came back "taken", may
-        have stored ours: if storage then cannot show what is there either, the commit is
-        in doubt (``CommitUnknown``, see ``settle``; abort keeps its files, which a landed
-        commit names). A failed put whose look shows ours absent did not land: its error
-        is raised.
+        Idempotent: where storage errors are ambiguous (an object store), a put that
+        failed, or came back "taken", may have stored ours (an answer lost, the retry
+        refused), so the seq it tried is read back at once: ours there means the commit
+        landed, and it is never published twice. A failed put whose seq holds another's
+        did not land (its error is raised); one whose seq is still free may land yet (a
+        request still in flight), and one storage cannot show is unknown: the commit is
+        then in doubt (``CommitUnknown``, see ``settle``; abort keeps its files).
         """
         ambiguous = self.storage.ambiguous_errors
-        taken: Manifest | None = None  # the last put that came back "taken"
         for attempt in range(MAX_COMMIT_ATTEMPTS):
             with self._lock:
                 # Optimistic first try at the head we know: if another commit took that
                 # seq, put-if-absent fails and we read what we missed; if it succeeds,
                 # no manifest existed that we had not read.
-                if attempt:
-                    try:
-                        own = self._look_for_own(txn)
-                    except OSError as exc:
-                        if not ambiguous or taken is None:
-                            raise
-                        raise self._in_doubt(taken, exc) from exc
-                    if own is not None:
-                        return own
+                if attempt and not ambiguous:
+                    self.refresh()
                 seq, first = self._state.seq + 1, self._state.lsn + 1
                 m: Manifest = make(seq, first)
-                taken = None
                 try:
                     won = self.storage.put_if_absent(manifest_path(seq), m.to_bytes())
-                except (OSError, TimeoutError) as exc:
+                except Exception as exc:
                     if not ambiguous:
                         raise  # a local error is not ambiguous: it did not land
-                    # The storage's retry layer spent its deadline: no second retry loop
-                    # here. The PUT may have landed: look for our txn once.
-                    try:
-                        own = self._look_for_own(txn)
-                    except OSError:
-                        raise self._in_doubt(m, exc) from exc
-                    if own is not None:
-                        return own
-                    raise  # storage answers again and ours is not there: it did not land
-                else:
-                    if won:
-                        self._state.apply(m)
-                        return m
-                    taken = m
-                    self.publish_retries += 1
+                    # the retry layer spent its deadline (or storage refused): no second
+                    # retry loop here; what the seq holds says whether it may still land
+                    there = self._look(m, exc)
+                    if isinstance(there, Manifest):
+                        return there
+                    if there:
+                        raise  # another's: ours never lands there
+                    raise self._in_doubt(m, exc) from exc
+                if won:
+                    self._state.apply(m)
+                    return m
+                self.publish_retries += 1
+                if ambiguous:
+                    there = self._look(m, None)
+                    if isinstance(there, Manifest):
+                        return there
             _lost_race_pause(attempt, remote=ambiguous)
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
+
+    def _look(self, m: Manifest, failed: BaseException | None) -> Manifest | bool:
+        """``_at_seq(m)``; the commit is in doubt when storage cannot tell."""
+        try:
+            return self._at_seq(m)
+        except Exception as exc:
+            raise self._in_doubt(m, failed or exc) from exc
 
     # -- streaming reads: one segment in memory at a time --------------------------
 

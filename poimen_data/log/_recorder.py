@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from poimen_data.errors import CommitUnknown, LeaseHeld, PoimenError, ValidationError
+from poimen_data.errors import (
+    CommitConflict,
+    CommitUnknown,
+    LeaseHeld,
+    PoimenError,
+    ValidationError,
+)
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, ref_problem
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import events_to_table
@@ -41,6 +47,8 @@ PENDING_WINDOWS = 4
 # a window in doubt (its publish failed without telling whether it landed) is settled
 # again after this pause, doubled after each failure up to the second figure
 SETTLE_PAUSE_S = (0.1, 5.0)
+# a record whose commit settled as not landed is committed again, this many times at most
+RECOMMITS = 8
 SMALL_BODY = 64 << 10
 
 
@@ -767,15 +775,8 @@ class Recorder:
             n = len(rec.events)
             rec.future.set_result(CommitInfo(info.seq, lsn, lsn + n - 1))
             lsn += n
-        if info.seq is None:
-            return
-        if not settled:
+        if info.seq is not None and not settled:  # (settle wrote the checkpoint owed)
             win.tx.checkpoint()  # durable since the publish: producers go on meanwhile
-            return
-        try:
-            self.log.maybe_checkpoint(info.seq)
-        except Exception as exc:  # noqa: BLE001 - housekeeping a later commit redoes
-            _logger.warning("commit seq %d landed; checkpoint deferred: %s", info.seq, exc)
 
     def _settle(self, exc: CommitUnknown) -> CommitInfo | BaseException | None:
         """Decide a window whose publish failed without telling whether it landed
@@ -816,19 +817,35 @@ class Recorder:
             return info
 
     def _one_by_one(self, records: list[_Record]) -> None:
-        """Commit each record in its own transaction: a bad one fails alone."""
+        """Commit each record in its own transaction: a bad one fails alone; one in doubt
+        is settled as a window is (and committed again if it did not land)."""
         for rec in records:
-            try:
-                with self.log.transaction() as tx:
-                    for (tenant, _sha), data in rec.bodies.items():
-                        tx.put_blob(tenant, data)
-                    tx.extend(rec.events)
-            except BaseException as exc:  # noqa: BLE001 - handed to its producer
-                rec.future.set_exception(exc)
-                continue
-            assert tx.commit_info is not None
-            self.commits += tx.commit_info.seq is not None
-            rec.future.set_result(tx.commit_info)
+            for _ in range(RECOMMITS):
+                try:
+                    with self.log.transaction() as tx:
+                        for (tenant, _sha), data in rec.bodies.items():
+                            tx.put_blob(tenant, data)
+                        tx.extend(rec.events)
+                except CommitUnknown as exc:
+                    outcome = self._settle(exc)
+                    if outcome is None:
+                        continue  # it did not land: this is its first time again
+                    if isinstance(outcome, CommitInfo):
+                        self.commits += 1
+                        rec.future.set_result(outcome)
+                    else:
+                        rec.future.set_exception(outcome)
+                except BaseException as exc:  # noqa: BLE001 - handed to its producer
+                    rec.future.set_exception(exc)
+                else:
+                    assert tx.commit_info is not None
+                    self.commits += tx.commit_info.seq is not None
+                    rec.future.set_result(tx.commit_info)
+                break
+            else:
+                rec.future.set_exception(CommitConflict(
+                    f"record did not land in {RECOMMITS} commits, each settled as not "
+                    "landed (other writers took their seqs)"))
 
     @staticmethod
     def _fail(records: list[_Record], exc: BaseException) -> None:
