@@ -8,6 +8,7 @@ answers of the moto server on 127.0.0.1 (``s3_faults``)."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import uuid
@@ -410,3 +411,38 @@ def test_a_stored_put_whose_retry_or_look_is_refused_outright_is_found_or_in_dou
         assert log.settle(info.value.txn) == pdm.CommitInfo(1, 1, 1)
     s3_faults.clear()
     assert _runs(_reopen(s3, prefix)) == [(1, "run-f", "run_started")]
+
+
+def test_a_stored_put_found_although_the_look_past_it_fails(
+        s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """The PUT of manifest 1 is stored and answered 500, its retry "taken"; the look reads
+    manifest 1 (ours) but then cannot read past it: what it read is enough, the commit
+    landed and is not in doubt."""
+    prefix, log = _log(s3)
+    s3_faults.add("PUT", f"/{prefix}/_log/{1:020d}.json", "lost-answer", times=1)
+    for method in ("GET", "HEAD"):
+        s3_faults.add(method, f"/{prefix}/_log/{2:020d}.json", "unavailable")
+    with log.transaction() as tx:
+        tx.append(E.RunStarted("acme", "run-n", "wf"))
+    assert tx.commit_info == pdm.CommitInfo(1, 1, 1)
+    assert s3_faults.fired() >= 2 and log.publish_retries == 0  # not a lost race
+    s3_faults.clear()
+    assert _runs(_reopen(s3, prefix)) == [(1, "run-n", "run_started")]
+
+
+def test_settle_refuses_in_a_forked_child(s3: S3Endpoint, s3_faults: S3Faults) -> None:
+    """A forked child may hold the parent's settle lock as it was at the fork, and the
+    commit in doubt is the parent's: ``settle`` there raises at once, never blocks."""
+    prefix, log, txn = _transaction_in_doubt(s3, s3_faults, "run-k")
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit status only
+        try:
+            log.settle(txn)
+        except pdm.PoimenError as exc:
+            os._exit(3 if "forked child" in str(exc) else 4)
+        except BaseException:  # noqa: BLE001 - reported by its status
+            os._exit(5)
+        os._exit(6)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+    assert log.settle(txn) == pdm.CommitInfo(1, 1, 1)  # the parent's to settle

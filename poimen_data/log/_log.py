@@ -30,6 +30,7 @@ from poimen_data.errors import (
     CommitConflict,
     CommitUnknown,
     CorruptionError,
+    LeaseHeld,
     NotFound,
     PoimenError,
     StorageError,
@@ -275,6 +276,7 @@ class EventLog:
         # under and the manifest put there (see settle)
         self._unknown: dict[str, Manifest] = {}
         self._settling = threading.Lock()
+        self._pid = os.getpid()
         self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
         self._promotions: list[Future[None]] = []
@@ -478,6 +480,9 @@ class EventLog:
         Decided "did not land", its staged files are left to ``vacuum`` (nothing reaches
         them).
         """
+        if os.getpid() != self._pid:  # _settling may have been held at the fork
+            raise PoimenError("settle in a forked child: a commit in doubt is settled by "
+                              "the process that made it")
         with self._settling:  # one settle at a time in this EventLog: one lease owner
             with self._lock:
                 m = self._unknown.get(txn)
@@ -505,9 +510,13 @@ class EventLog:
         try:
             if not self._files_kept(m):
                 return True  # vacuumed: never put a manifest naming missing files
-            held.check()  # still ours: no vacuum started in between
             with self._lock:
                 if self._seq_free(m.seq):
+                    # still ours, long enough for the put: no vacuum can start before it
+                    held.check()
+                    if held.expires - time.time() < self.storage.retry.deadline_s + 5:
+                        raise LeaseHeld(f"{self.root}: the lease for settling a commit in "
+                                        "doubt ran short (storage is slow): settle again")
                     if self.storage.put_if_absent(manifest_path(m.seq), m.to_bytes()):
                         self._state.apply(m)
                         return m
@@ -866,7 +875,11 @@ class EventLog:
         free; raises what storage raises when it cannot tell. Looks at that very seq:
         another thread's refresh may have read ours meanwhile."""
         with self._lock:
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:
+                if self._state.seq < m.seq:
+                    raise  # that seq unread: nobody can tell
             if self._state.seq < m.seq:
                 return False
             there = next((x for x in self._state.manifests_since_checkpoint
@@ -905,8 +918,9 @@ class EventLog:
                     self.refresh()
                 seq, first = self._state.seq + 1, self._state.lsn + 1
                 m: Manifest = make(seq, first)
+                data = m.to_bytes()
                 try:
-                    won = self.storage.put_if_absent(manifest_path(seq), m.to_bytes())
+                    won = self.storage.put_if_absent(manifest_path(seq), data)
                 except Exception as exc:
                     if not ambiguous:
                         raise  # a local error is not ambiguous: it did not land
@@ -921,11 +935,11 @@ class EventLog:
                 if won:
                     self._state.apply(m)
                     return m
-                self.publish_retries += 1
                 if ambiguous:
                     there = self._look(m, None)
                     if isinstance(there, Manifest):
-                        return there
+                        return there  # our own PUT, stored: no race was lost
+                self.publish_retries += 1
             _lost_race_pause(attempt, remote=ambiguous)
         raise CommitConflict(f"gave up publishing txn {txn} after {MAX_COMMIT_ATTEMPTS} tries")
 

@@ -198,7 +198,11 @@ class LocalStorage(Storage):
         except FileExistsError:
             return False
         finally:
-            os.unlink(tmp)
+            # once linked, the file is visible: failing here would read as "not put"
+            # (and a commit's abort would remove what its manifest names); a temp file
+            # left behind is vacuum's, as a dead writer's is
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if self.durable:
             _fsync_dir(d)
         return True
