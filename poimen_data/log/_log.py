@@ -511,7 +511,8 @@ class EventLog:
             if not self._files_kept(m):
                 return True  # vacuumed: never put a manifest naming missing files
             with self._lock:
-                if self._seq_free(m.seq):
+                self.refresh()
+                if self._state.seq < m.seq:  # still free
                     # still ours, long enough for the put: no vacuum can start before it
                     held.check()
                     if held.expires - time.time() < self.storage.retry.deadline_s + 5:
@@ -533,13 +534,6 @@ class EventLog:
         deadline; short, since a lease left behind stops maintenance until it expires."""
         return 30.0 + 4 * self.storage.retry.deadline_s
 
-    def _seq_free(self, seq: int) -> bool:
-        """No manifest under ``seq`` as of the last refresh (a fresh refresh: under the
-        lock, or just before, when the caller reads again under it)."""
-        with self._lock:
-            self.refresh()
-            return self._state.seq < seq
-
     def _files_kept(self, m: Manifest) -> bool:
         """Every file ``m`` names is still there: a ``vacuum`` during a long outage may
         have removed a commit's staged files (older than its grace, reached by no
@@ -552,9 +546,8 @@ class EventLog:
         """A commit ``settle`` found landed: its bodies are promoted and an interval's
         checkpoint written, as for any commit (a failure leaves them to the next open's
         roll-forward and a later commit, as a crash would)."""
-        keep = any(b.staged and self.ever_reduced((b.tenant, b.sha256)) for b in m.blobs)
         try:
-            self._after_publish(m, keep_staging=keep)
+            self._after_publish(m)
             self._maybe_checkpoint(m.seq)
         except Exception as exc:  # noqa: BLE001 - housekeeping a later open redoes
             _logger.warning("commit seq %d landed; promotion deferred: %s", m.seq, exc)
@@ -582,10 +575,10 @@ class EventLog:
                             None)
         return self.read_manifest(seq)
 
-    def after_publish(self, m: Manifest, *, keep_staging: bool,
-                      packs: Mapping[str, bytes] | None = None) -> None:
+    def after_publish(self, m: Manifest, *, packs: Mapping[str, bytes] | None = None
+                      ) -> None:
         """Promote a just-published commit's bodies (see ``_after_publish``)."""
-        self._after_publish(m, keep_staging=keep_staging, packs=packs)
+        self._after_publish(m, packs=packs)
 
     def maybe_checkpoint(self, seq: int) -> None:
         """Checkpoint when ``seq`` is a multiple of the interval."""
@@ -760,17 +753,20 @@ class EventLog:
             if batch is not None:
                 batch.close()
 
-    def _after_publish(self, m: Manifest, *, keep_staging: bool,
+    def _after_publish(self, m: Manifest, *,
                        packs: Mapping[str, bytes] | None = None) -> None:
         """Promote a just-published commit's bodies on a background thread (renames on
         local disk, a copy and a delete per body on an object store), so the commit returns
         at its publish: readers find the bodies in staging meanwhile, ``flush()`` waits for
         them, and the next open rolls forward what a crash left. ``memory://`` promotes now.
         ``packs`` are the bytes of the packs the commit wrote: promotion copies from them
-        instead of reading each back (a GET on S3), within ``RETAINED_PACK_BYTES``."""
+        instead of reading each back (a GET on S3), within ``RETAINED_PACK_BYTES``. A
+        staging area holding a body ever reduced is kept (vacuum's, see ``_promote``)."""
         if not any(b.staged for b in m.blobs):
             crash_point("blobs_promoted")
             return
+        keep_staging = any(b.staged and self.ever_reduced((b.tenant, b.sha256))
+                           for b in m.blobs)
         if not self.storage.background_io:
             self._promote_commit(m, keep_staging, packs)
             return

@@ -382,7 +382,7 @@ class Transaction:
         crash_point("manifest_published")
         try:  # the commit has landed: what follows is housekeeping a later open redoes
             packs, self._pack_bytes = self._pack_bytes, {}  # its promotion's now
-            self.log.after_publish(m, keep_staging=self._has_kept_staging(m), packs=packs)
+            self.log.after_publish(m, packs=packs)
         except Exception as exc:  # noqa: BLE001
             _logger.warning("commit seq %d landed; promotion deferred: %s", m.seq, exc)
         if not self.defer_checkpoint:
@@ -415,10 +415,6 @@ class Transaction:
                     if isinstance(exc, ValidationError) else exc
         if self._failed is not None:
             raise self._failed
-
-    def _has_kept_staging(self, m: Manifest) -> bool:
-        return any(b.staged and self.log.ever_reduced((b.tenant, b.sha256))
-                   for b in m.blobs)
 
     def _segment_for(self, table: pa.Table) -> SegmentInfo:
         """The segment of ``table``: the one ``extend`` started, when it was the whole
