@@ -8,8 +8,10 @@ regex kernel, and counts columns per kind with numpy: both branches are exercise
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -221,3 +223,31 @@ def test_big_table_is_checked_while_its_segment_is_written(tmp_path) -> None:
     back = again.read_events()  # verifies the segment's size and sha256 against the manifest
     assert back.num_rows == n
     assert back.drop_columns(["lsn", "seq"]).equals(ev.validate_table(good))
+
+
+# every kind, with its optional value objects set and unset (the base rows, and bare ones)
+_T, _R = BASE[0]["tenant"], BASE[0]["run_id"]
+KINDS_POOL = [ev.event_from_row(r) for r in BASE] + [
+    ev.AttemptDispatched(_T, _R, 0, "s", 0, 1),
+    ev.AttemptFinished(_T, _R, 0, "s", 1, "failed", error="boom"),
+    ev.RunStarted(_T, _R, "wf", labels=None),
+]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from(range(len(KINDS_POOL))), st.booleans()),
+                min_size=1, max_size=80))
+def test_events_to_table_puts_each_event_in_its_own_row(picks: list[tuple[int, bool]]
+                                                        ) -> None:
+    """Any mix and order of kinds: row i is event i, every field in place. A column only
+    some kinds have is built over those kinds' events and scattered into their rows; an
+    event without a stamp takes the one given for its row."""
+    stamps = [datetime(2030, 1, 1, tzinfo=UTC) + timedelta(seconds=i)
+              for i in range(len(picks))]
+    evs = [dataclasses.replace(KINDS_POOL[k], ts=None) if unstamped else KINDS_POOL[k]
+           for k, unstamped in picks]
+    table = ev.events_to_table(evs, stamps)
+    assert table.schema == ev.EVENT_SCHEMA
+    want = [e if e.ts is not None else dataclasses.replace(e, ts=s)
+            for e, s in zip(evs, stamps, strict=True)]
+    assert [ev.event_from_row(r) for r in table.to_pylist()] == want

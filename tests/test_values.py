@@ -428,3 +428,83 @@ def test_a_null_score_whose_slot_holds_nan_commits() -> None:
     con = pdm.connect(log)
     assert con.execute("select score from events order by lsn").fetchall() == [(None,), (0.5,)]
     con.close()
+
+
+class _Sly(str):
+    """A str whose equality lies: equal to anything, hashed as a bad tenant."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash("bad tenant")
+
+
+def _refused_whole(events: list[Any]) -> str:
+    """Append ``events`` in one transaction and in one recorder record: both refuse with
+    a ValidationError (its message returned) and storage is as it was."""
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "before", "wf"))
+    before = _files(log)
+    with pytest.raises(ValidationError) as txn_error:
+        with log.transaction() as tx:
+            for e in events:
+                tx.append(e)
+    with log.recorder(max_delay_ms=0) as rec:
+        fut = rec.record(events)
+        with pytest.raises(ValidationError) as rec_error:
+            fut.result()
+    assert _files(log) == before and log.head == 1
+    assert str(rec_error.value).split(": ", 1)[1] == str(txn_error.value).split(": ", 1)[1]
+    return str(txn_error.value)
+
+
+def test_an_id_checked_once_passes_only_where_it_is_valid() -> None:
+    """Validation remembers the strs that matched the run_id pattern (within a transaction
+    or a record) instead of matching them again. A tenant is the same pattern, shorter: a
+    run_id of 65 to 128 chars seen before is still refused as a tenant, and a str subclass
+    (whose own ``__eq__`` could answer for other strs) is never remembered."""
+    long = "r" * 100
+    assert "field 'tenant' must match" in _refused_whole(
+        [RunStarted(T, long, "wf"), RunStarted(long, "r", "wf")])
+    assert "event 1 (run_started): field 'tenant'" in _refused_whole(
+        [RunStarted(_Sly(T), "r", "wf"), RunStarted("bad tenant", "r", "wf")])
+    assert "event 1 (run_started): field 'run_id'" in _refused_whole(
+        [RunStarted(T, _Sly("r"), "wf"), RunStarted(T, "bad tenant", "wf")])
+    # the same ids again are fine: a tenant seen first as a run_id, and the reverse
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "acme", "wf"))
+        tx.append(RunStarted("acme", T, "wf"))
+        tx.append(RunStarted("a" * 64, "a" * 64, "wf"))
+    assert log.head == 3  # the last LSN
+
+
+def test_utc_stamps_of_either_kind_and_numbers_arrow_will_not_take_commit_exactly() -> None:
+    """A stamp in ``datetime.UTC`` or in ``ZoneInfo("UTC")`` (what Arrow's rows carry) is
+    checked without asking for its offset, and any other zone still is; a usage whose
+    numbers Arrow converts as they are (an int cost, a Decimal of 10 places ending in 0)
+    and one it refuses (an int latency past 2**53, exact as a double) read back exactly."""
+    from zoneinfo import ZoneInfo
+
+    zoned = datetime(2026, 5, 1, 12, tzinfo=ZoneInfo("UTC"))
+    paris = datetime(2026, 5, 1, 14, tzinfo=ZoneInfo("Europe/Paris"))
+    fixed = datetime(2026, 5, 1, 12, tzinfo=UTC)
+    log = _new_log()
+    with log.transaction() as tx:
+        for i, ts in enumerate((zoned, paris, fixed)):
+            tx.append(RunStarted(T, f"z{i}", "wf", ts=ts))
+        tx.append(_finished(usage=Usage(cost_usd=5, latency_ms=2**60)))  # type: ignore[arg-type]
+        tx.append(_finished(usage=Usage(cost_usd=Decimal("1.0000000000"), latency_ms=3)))
+    con = pdm.connect(log)
+    assert con.execute("select ts from events where kind = 'run_started' order by lsn"
+                       ).fetchall() == [(fixed,), (fixed,), (fixed,)]
+    got = con.execute("select usage.cost_usd, usage.latency_ms from events "
+                      "where kind = 'attempt_finished' order by lsn").fetchall()
+    con.close()
+    assert got == [(Decimal("5.000000000"), float(2**60)), (Decimal("1.000000000"), 3.0)]
+    assert [type(v) for row in got for v in row] == [Decimal, float, Decimal, float]
+    with pytest.raises(ValidationError, match="field 'ts' must be a timezone-aware"):
+        with log.transaction() as tx:
+            tx.append(RunStarted(T, "n", "wf", ts=datetime(2026, 5, 1)))

@@ -50,16 +50,6 @@ TableOrBatch = TypeVar("TableOrBatch", pa.Table, pa.RecordBatch)
 # --- conversion ---------------------------------------------------------------------
 
 
-class _Absent:
-    """Stands in for a missing value object: every field of it is None."""
-
-    def __getattr__(self, name: str) -> None:
-        return None
-
-
-_ABSENT = _Absent()
-
-
 def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
     """A struct column from value objects (or None) without building one dict per row."""
     mask = [v is None for v in values]
@@ -70,11 +60,18 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
     children = []
     for f in typ:
         vals = list(map(attrgetter(f.name), values))
-        if f.type == COST_TYPE:
-            vals = [None if x is None else x if type(x) is Decimal and x.as_tuple().exponent
-                    == -9 else Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT)
-                    for x in vals]
-        elif pa.types.is_floating(f.type):
+        try:
+            # validated amounts and numbers convert as they are: Arrow rescales a Decimal
+            # (or an int) to the column's 9 decimals exactly, and refuses to round
+            children.append(pa.array(vals, f.type))
+            continue
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            if f.type != COST_TYPE and not pa.types.is_floating(f.type):
+                raise
+        if f.type == COST_TYPE:  # what Arrow would not take: rounded as before
+            vals = [None if x is None else
+                    Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT) for x in vals]
+        else:  # an int past 2**53, a Decimal latency: as float() makes it
             vals = [None if x is None else float(x) for x in vals]
         children.append(pa.array(vals, f.type))
     return pa.StructArray.from_arrays(children, fields=list(typ), mask=pa.array(mask))
@@ -85,10 +82,24 @@ _STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
                    "tools": TOOLS_TYPE}
 
 
-# one getter per field: a column is then one C-level map over the events (reading each
+class _Absent:
+    """Stands in for a missing value object: every field of it is None (a class attribute
+    each, which ``attrgetter`` reads in C: no Python call per row, as ``__getattr__``
+    would make)."""
+
+
+for _typ in _STRUCT_COLUMNS.values():
+    for _f in _typ:
+        setattr(_Absent, _f.name, None)
+_ABSENT = _Absent()
+
+
+# which of the schema's columns each class has, and one getter per column: a column is
+# then one C-level map of its ``attrgetter`` over the events that have it (reading each
 # event as a tuple of all its fields and transposing costs 3x more, and makes garbage)
-_GETTERS = {c: tuple((f.name, attrgetter(f.name)) for f in fields(c))
-            for c in EVENT_CLASSES.values()}
+_FIELDS = {c: frozenset(f.name for f in fields(c)) for c in EVENT_CLASSES.values()}
+_GET = {f.name: attrgetter(f.name) for f in EVENT_SCHEMA}
+_TS = attrgetter("ts")
 
 
 def _column(name: str, typ: pa.DataType, values: Sequence[Any], n: int) -> pa.Array:
@@ -103,35 +114,57 @@ def _column(name: str, typ: pa.DataType, values: Sequence[Any], n: int) -> pa.Ar
 def events_to_table(events: Sequence[Event], stamps: Sequence[datetime]) -> pa.Table:
     """Turn validated events (with their append-time stamps) into one EVENT_SCHEMA table.
 
-    Events are taken class by class: each of its columns is one ``map`` of a field's
-    ``attrgetter``, the columns a class does not have are all-null arrays (free), and the
-    pieces are put back in append order with one ``take``.
+    Each column is built in append order, once: a column every class of these events has
+    is one ``map`` of its getter over all of them; one that only some classes have is
+    mapped over those classes' events and scattered into place (a numpy object array:
+    every other row null); one none of them has is all null (free). No table is built per
+    class and put back in order (a ``take`` of every column: for a recorder's window of
+    64 records, half the time).
     """
-    positions: dict[type[Event], list[int]] = {}
+    n = len(events)
+    where: dict[type[Event], list[int]] = {}
     for i, e in enumerate(events):
-        positions.setdefault(type(e), []).append(i)
-    parts: list[pa.Table] = []
-    for cls, idx in positions.items():
-        evs = [events[i] for i in idx] if len(positions) > 1 else list(events)
-        k = len(evs)
-        cols = {name: list(map(get, evs)) for name, get in _GETTERS[cls]}
-        ts = [e.ts if e.ts is not None else stamps[i]
-              for e, i in zip(evs, idx, strict=True)]
-        arrays = []
-        for f in EVENT_SCHEMA:
-            if f.name == "ts":
-                arrays.append(pa.array(ts, f.type))
-            elif f.name == "kind":
-                arrays.append(pa.array([cls.kind] * k, f.type))
-            elif f.name in cols:
-                arrays.append(_column(f.name, f.type, cols[f.name], k))
+        where.setdefault(type(e), []).append(i)
+    classes = list(where)
+    groups = {c: [events[i] for i in idx] for c, idx in where.items()} \
+        if len(classes) > 1 else {}
+    rows = {c: np.array(idx, dtype=np.intp) for c, idx in where.items()} \
+        if len(classes) > 1 else {}
+    arrays = []
+    for f in EVENT_SCHEMA:
+        name = f.name
+        if name == "ts":
+            values: Sequence[Any] = [s if t is None else t
+                                     for t, s in zip(map(_TS, events), stamps, strict=True)]
+            arrays.append(pa.array(values, f.type))
+            continue
+        if name == "kind":
+            if len(classes) == 1:
+                values = [classes[0].kind] * n
             else:
-                arrays.append(pa.nulls(k, f.type))
-        parts.append(pa.Table.from_arrays(arrays, schema=EVENT_SCHEMA))
-    if len(parts) == 1:
-        return parts[0]
-    order = pa.array([i for idx in positions.values() for i in idx], pa.int64())
-    return pa.concat_tables(parts).take(pc.sort_indices(order))
+                kinds = np.empty(n, dtype=object)
+                for c, idx in rows.items():
+                    kinds[idx] = c.kind
+                values = kinds.tolist()
+            arrays.append(pa.array(values, f.type))
+            continue
+        having = [c for c in classes if name in _FIELDS[c]]
+        if not having:
+            arrays.append(pa.nulls(n, f.type))
+            continue
+        get = _GET[name]
+        if len(having) == len(classes):
+            values = list(map(get, events))
+        else:
+            scattered = np.empty(n, dtype=object)  # None everywhere
+            for c in having:
+                part = groups[c]
+                # fromiter: each value one object, never unpacked as numpy would a tuple
+                scattered[rows[c]] = np.fromiter(map(get, part), dtype=object,
+                                                  count=len(part))
+            values = scattered.tolist()
+        arrays.append(_column(name, f.type, values, n))
+    return pa.Table.from_arrays(arrays, schema=EVENT_SCHEMA)
 
 
 # --- bulk validation -----------------------------------------------------------------

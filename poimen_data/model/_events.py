@@ -9,9 +9,10 @@ schema to ``validate_table`` instead.
 from __future__ import annotations
 
 import re
+import zoneinfo
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,8 +31,13 @@ from poimen_data.model._limits import (
     utf8_ok,
 )
 
-TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ZONE_UTC = zoneinfo.ZoneInfo("UTC")  # one object per key: what Arrow's rows carry
+
+# one pattern, two bounds: validation caches the strs that matched the longer one
+_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,%d}"
+_TENANT_MAX = 64
+TENANT_RE = re.compile(_ID % (_TENANT_MAX - 1))
+RUN_ID_RE = re.compile(_ID % 127)
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 VERIFIER_RE = re.compile(r"[^@\s]+@[^@\s]+")
 STEP_ID_MAX = 256
@@ -447,16 +453,29 @@ def validate_event(e: Any, where: str | int = "event",
 
 def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
     where = ""
+    # ``seen`` also holds the strs that matched RUN_ID_RE (exactly str: no subclass's
+    # own __eq__ in the set); TENANT_RE is that pattern, at most _TENANT_MAX chars: one
+    # set lookup instead of a regex each
     tenant = e.tenant
-    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
-        raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {tenant!r}")
+    if type(tenant) is not str or seen is None or tenant not in seen \
+            or len(tenant) > _TENANT_MAX:
+        if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+            raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {tenant!r}")
+        if type(tenant) is str:
+            _remember(seen, tenant)
     if kind != "blob_reduced":
         run_id = e.run_id
-        if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
-            raise _bad(where, "run_id", f"must match {RUN_ID_RE.pattern}, got {run_id!r}")
+        if type(run_id) is not str or seen is None or run_id not in seen:
+            if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
+                raise _bad(where, "run_id",
+                           f"must match {RUN_ID_RE.pattern}, got {run_id!r}")
+            if type(run_id) is str:
+                _remember(seen, run_id)
     ts = e.ts
     if ts is not None and (type(ts) is not datetime or not 1 < ts.year < 9999
-                           or ts.utcoffset() is None):  # the common case costs no call
+                           or (ts.tzinfo is not UTC and ts.tzinfo is not _ZONE_UTC
+                               and ts.utcoffset() is None)):
+        # the common case costs no call
         problem = ts_problem(ts)
         if problem:
             raise _bad(where, "ts", problem)
@@ -472,14 +491,12 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
                     raise _bad(where, "prompt", "belongs to another tenant than the event",
                            TenantMismatch)
             ctx = e.context
-            if ctx is not None and (seen is None or not _seen(seen, ctx)):
+            if ctx is not None:  # checked each time: hashing it for a cache costs more
                 if not isinstance(ctx, ContextPartition):
                     raise _bad(where, "context", "must be a ContextPartition")
                 _check_str_tuple(where, "context.packed", ctx.packed)
                 _check_str_tuple(where, "context.available", ctx.available)
                 _check_str_tuple(where, "context.dropped", ctx.dropped)
-                if type(ctx) is ContextPartition:
-                    _remember(seen, ctx)
             if e.workflow_version is not None:
                 _check_str(where, "workflow_version", e.workflow_version, 256)
         else:
@@ -550,13 +567,17 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
                            TenantMismatch)
 
 
+_USAGE_INTS = tuple((name, f"usage.{name}") for name in (
+    "input_tokens", "output_tokens", "cache_read_input_tokens", "reasoning_tokens"))
+
+
 def _check_usage(where: str, u: Any) -> None:
     if not isinstance(u, Usage):
         raise _bad(where, "usage", "must be a Usage")
-    for name in ("input_tokens", "output_tokens", "cache_read_input_tokens", "reasoning_tokens"):
+    for name, label in _USAGE_INTS:
         v = getattr(u, name)
         if v is not None:
-            _check_int(where, f"usage.{name}", v, 0)
+            _check_int(where, label, v, 0)
     if u.cost_usd is not None:
         problem = cost_problem(u.cost_usd)
         if problem:
