@@ -372,7 +372,9 @@ class Transaction:
             if self._batch is not None:
                 self._batch.sync()  # ... or made durable now, all at once
                 self._close_batch()
-            m = self.log.publish(lambda seq, first: self._manifest(seq, first, seg, table),
+            # once, outside the log's lock (a lost race makes the manifest again)
+            reduces = _reduced_originals(table)
+            m = self.log.publish(lambda seq, first: self._manifest(seq, first, seg, reduces),
                                   self.txn)
         except BaseException:
             self.abort()
@@ -449,7 +451,7 @@ class Transaction:
         return SegmentInfo(path, table.num_rows, size, sha, 0, 0)
 
     def _manifest(self, seq: int, first: int, seg: SegmentInfo | None,
-                  table: pa.Table | None) -> Manifest:
+                  reduces: tuple[tuple[str, str], ...]) -> Manifest:
         # A body reused at put time may have been reduced since: stage it ourselves now,
         # before the publish, so this commit never points at a body a reducer deletes.
         for key, data in list(self._reused.items()):
@@ -459,12 +461,6 @@ class Transaction:
         blobs = [self._staged[k] for k in sorted(self._staged)]
         blobs += [ev_entry for k in sorted(self._reused)
                   for ev_entry in (BlobEntry(k[0], k[1], len(self._reused[k]), None),)]
-        reduces: list[tuple[str, str]] = []
-        if table is not None:
-            mask = pc.equal(table.column("kind"), "blob_reduced")
-            if pc.any(mask).as_py():
-                for d in table.filter(mask).column("original").to_pylist():
-                    reduces.append((d["tenant"], d["sha256"]))
         segs: tuple[SegmentInfo, ...] = ()
         n = 0
         if seg is not None:
@@ -473,5 +469,17 @@ class Transaction:
         return Manifest(
             seq=seq, txn=self.txn, kind="append" if n else "blobs", first_lsn=first,
             n_events=n, ts=now_iso(), segments=segs, blobs=tuple(blobs),
-            reduces=tuple(sorted(set(reduces))),
+            reduces=reduces,
         )
+
+
+def _reduced_originals(table: pa.Table | None) -> tuple[tuple[str, str], ...]:
+    """The (tenant, sha256) of each body the table's ``blob_reduced`` events reduce,
+    sorted, once each (what a manifest's ``reduces`` lists)."""
+    if table is None or not table.num_rows:
+        return ()
+    mask = pc.equal(table.column("kind"), "blob_reduced")
+    if not pc.any(mask).as_py():
+        return ()
+    originals = table.filter(mask).column("original").to_pylist()
+    return tuple(sorted({(d["tenant"], d["sha256"]) for d in originals}))
