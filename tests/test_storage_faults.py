@@ -4,6 +4,7 @@ S3 faults are real HTTP answers of the moto server on 127.0.0.1 (``s3_faults``).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -228,6 +229,57 @@ def test_a_failed_temp_file_write_leaves_no_temp_file(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr.decode()[-2000:]
     assert res.stdout.decode().split("\n")[:2] == ["put_if_absent EFBIG", "write EFBIG"]
     assert sorted(log.storage.list_dir("_log")) == before
+
+
+# A shim loaded into a child with LD_PRELOAD: fsync(2) of a directory fails with EIO, as
+# on a failing disk; files' fsyncs and everything else are the real calls.
+_EIO_DIR_FSYNC_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <sys/stat.h>
+int fsync(int fd) {
+    static int (*real)(int);
+    struct stat st;
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+    if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) { errno = EIO; return -1; }
+    return real(fd);
+}
+"""
+
+_COMMIT_CHILD = """
+import logging, sys
+import poimen_data as pdm
+from poimen_data import events as E
+logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
+log = pdm.open_log(sys.argv[1])
+with log.transaction() as tx:
+    tx.append(E.RunStarted("acme", "run-eio", "wf"))
+print(tx.commit_info)
+"""
+
+
+def test_a_failed_directory_sync_after_a_publish_is_reported(tmp_path: Path) -> None:
+    """A manifest is linked into ``_log/`` and then its directory synced; when that sync
+    fails (EIO from the kernel: a shim over fsync(2) in a child), the commit is visible
+    and cannot be taken back, so it returns, and an error names the directory whose new
+    name may not survive a power loss (the failure was swallowed silently before)."""
+    shim = tmp_path / "eio_dir_fsync.so"
+    src = tmp_path / "eio_dir_fsync.c"
+    src.write_text(_EIO_DIR_FSYNC_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(src), "-ldl"],
+                   check=True, capture_output=True, timeout=120)
+    root = str(tmp_path / "log")
+    res = subprocess.run([sys.executable, "-c", _COMMIT_CHILD, root],
+                         env={**os.environ, "LD_PRELOAD": str(shim)},
+                         capture_output=True, timeout=120)
+    err = res.stderr.decode()
+    assert res.returncode == 0, err[-2000:]
+    assert res.stdout.decode().strip() == "CommitInfo(seq=1, first_lsn=1, last_lsn=1)"
+    log_dir = str(Path(root) / "_log")
+    assert (f"ERROR {log_dir}: syncing the directory after a new file's link failed "
+            "([Errno 5] Input/output error); that name may not survive a power loss") in err
+    assert [r["run_id"] for r in pdm.open_log(root).read_events().to_pylist()] == ["run-eio"]
 
 
 @pytest.mark.s3

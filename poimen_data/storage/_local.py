@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import sys
 import uuid
@@ -19,6 +20,8 @@ from poimen_data.errors import NotFound, StorageError
 from poimen_data.storage import _dest
 from poimen_data.storage._base import PARALLEL_HASH_BYTES, Storage
 from poimen_data.storage._writer import AtomicWriter, HashingSink
+
+_logger = logging.getLogger(__name__)
 
 
 class LocalStorage(Storage):
@@ -325,13 +328,21 @@ class SyncFsBatch:
 
 
 def _fsync_dir(d: str) -> None:
+    """Make a new name in ``d`` durable (after ``os.link``). It is visible already, so a
+    failure cannot undo it, and raising would read as "not put" (a commit's abort would
+    remove what its visible manifest names): it is logged as an error instead, naming the
+    directory, since that name may not survive a power loss (a disk that failed a sync
+    may well fail the next ones too)."""
     try:
         fd = os.open(d, os.O_RDONLY)
-    except OSError:
+    except OSError as exc:
+        _logger.error("%s: a new file's name was not synced (opening its directory "
+                      "failed: %s); it may not survive a power loss", d, exc)
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        _logger.error("%s: syncing the directory after a new file's link failed (%s); "
+                      "that name may not survive a power loss", d, exc)
     finally:
         os.close(fd)
