@@ -5,6 +5,7 @@ S3 faults are real HTTP answers of the moto server on 127.0.0.1 (``s3_faults``).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -259,6 +260,8 @@ print(tx.commit_info)
 """
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
+                    reason="needs Linux (LD_PRELOAD) and a C compiler (.ci/run installs one)")
 def test_a_failed_directory_sync_after_a_publish_is_reported(tmp_path: Path) -> None:
     """A manifest is linked into ``_log/`` and then its directory synced; when that sync
     fails (EIO from the kernel: a shim over fsync(2) in a child), the commit is visible

@@ -5,6 +5,7 @@ values inside the limits commit and read back exactly."""
 from __future__ import annotations
 
 import math
+import os
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
@@ -24,6 +25,7 @@ from poimen_data.events import (
     EVENT_SCHEMA,
     AttemptDispatched,
     AttemptFinished,
+    BlobRef,
     BranchForked,
     RunCancelled,
     RunStarted,
@@ -508,3 +510,91 @@ def test_utc_stamps_of_either_kind_and_numbers_arrow_will_not_take_commit_exactl
     with pytest.raises(ValidationError, match="field 'ts' must be a timezone-aware"):
         with log.transaction() as tx:
             tx.append(RunStarted(T, "n", "wf", ts=datetime(2026, 5, 1)))
+
+
+class _SlyRef(BlobRef):
+    """A ref whose equality lies: equal to anything, hashed as a bad tenant."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash("bad tenant")
+
+
+def test_a_value_equal_to_one_checked_before_is_still_checked() -> None:
+    """Validation caches what it checked (refs, usages, ids) per transaction or record;
+    a value of another type that equals a cached one is checked all the same: a str as
+    ``usage`` equal to the event's run_id, a ref as ``usage`` equal to its ``output``, and
+    a lying ref subclass (remembered for the commit's body check) beside a bad tenant."""
+    assert "field 'usage' must be a Usage" in _refused_whole(
+        [_finished(usage="r")])  # type: ignore[arg-type]
+    ref = BlobRef(T, "ab" * 32, 3)
+    assert "field 'usage' must be a Usage" in _refused_whole(
+        [_finished(output=ref, usage=ref)])  # type: ignore[arg-type]
+    sly = _SlyRef(T, "cd" * 32, 4)
+    assert "event 1 (run_started): field 'tenant'" in _refused_whole(
+        [AttemptDispatched(T, "r", 0, "s", 0, 1, prompt=sly),
+         RunStarted("bad tenant", "r", "wf")])
+
+
+class _Money(Decimal):
+    """An amount that prints itself for people, with two decimals."""
+
+    def __str__(self) -> str:
+        return f"{self:.2f}"
+
+
+class _Shown(int):
+    def __str__(self) -> str:
+        return "7"
+
+
+class _Ms(float):
+    """A latency whose float() answers something else than its value."""
+
+    def __float__(self) -> float:
+        return math.nan
+
+
+def test_subclassed_numbers_are_stored_as_the_values_validation_read() -> None:
+    """Arrow reads a Decimal through its str(), which a subclass may format its own way:
+    subclasses are converted by value, as validation reads them (0.004 stays 0.004, not
+    0.00; 3 stays 3, not 7); a float subclass is stored as its own value, not as what its
+    ``float()`` answers (which validation never saw)."""
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(_finished(usage=Usage(cost_usd=_Money("0.004"), latency_ms=_Ms(1.5))))
+        tx.append(_finished(usage=Usage(cost_usd=_Shown(3))))  # type: ignore[arg-type]
+    con = pdm.connect(log)
+    got = con.execute("select usage.cost_usd, usage.latency_ms from events order by lsn"
+                      ).fetchall()
+    con.close()
+    assert got == [(Decimal("0.004"), 1.5), (Decimal(3), None)]
+
+
+_NO_ZONES_CHILD = """
+import sys, tempfile
+from datetime import UTC, datetime
+sys.modules["tzdata"] = None  # no time-zone package either
+import poimen_data as pdm
+from poimen_data import events as E
+from poimen_data.model import _events
+log = pdm.open_log(tempfile.mkdtemp())
+with log.transaction() as tx:
+    tx.append(E.RunStarted("acme", "r", "wf", ts=datetime(2026, 1, 1, tzinfo=UTC)))
+print(_events._ZONE_UTC is UTC, log.head)
+"""
+
+
+def test_the_package_imports_and_commits_without_a_time_zone_database(tmp_path: Any) -> None:
+    """Validation knows Arrow's ``ZoneInfo("UTC")`` by identity; where there is no
+    time-zone database (a slim container) that zone cannot exist, and the package still
+    imports and commits."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _NO_ZONES_CHILD], capture_output=True,
+                         env={**os.environ, "PYTHONTZPATH": str(tmp_path)}, timeout=120)
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    assert res.stdout.decode().split() == ["True", "1"]

@@ -460,7 +460,7 @@ class Recorder:
         if isinstance(events, ev.Event):
             raise ValidationError("record: events must be a sequence of events, not one")
         evs = tuple(events)
-        seen: set[Any] = set()
+        seen = ev.Checked()
         for i, e in enumerate(evs):
             ev.validate_event(e, i, seen)
         bodies: dict[BlobKey, bytes] = {}

@@ -109,7 +109,7 @@ class Transaction:
         self._done = False
         self._n_table_rows = 0
         self._segment_written = False
-        self._seen_refs: set[Any] = set()  # refs and value objects validated already
+        self._seen_refs = ev.Checked()  # what validation checked: refs, usages, ids
         self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
         self._checks: list[Future[None]] = []  # checks of big tables still running
         self._io: list[Future[Any]] = []  # staged bodies and segment being written
@@ -287,7 +287,7 @@ class Transaction:
         is written in the background at once when it is the whole commit so far."""
         self._check_open()
         self._speculate(table)
-        self._seen_refs.update(refs)
+        self._seen_refs.add_refs(refs)
         self._flush_objects()
         self._tables.append(table)
         self._n_table_rows += table.num_rows
@@ -334,7 +334,7 @@ class Transaction:
     def _check_refs(self) -> None:
         """Every ref must be a body of this transaction or a committed, unreduced one."""
         mine = set(self._staged) | set(self._reused)
-        refs = {r for r in self._seen_refs if isinstance(r, ev.BlobRef)}  # subclasses too
+        refs = self._seen_refs.all_refs()  # subclasses too
         for t in self._bulk:
             refs |= table_refs(t)
         for ref in refs:

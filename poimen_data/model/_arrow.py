@@ -60,19 +60,27 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
     children = []
     for f in typ:
         vals = list(map(attrgetter(f.name), values))
-        try:
-            # validated amounts and numbers convert as they are: Arrow rescales a Decimal
-            # (or an int) to the column's 9 decimals exactly, and refuses to round
+        money = f.type == COST_TYPE
+        if not (money or pa.types.is_floating(f.type)):
             children.append(pa.array(vals, f.type))
             continue
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            if f.type != COST_TYPE and not pa.types.is_floating(f.type):
-                raise
-        if f.type == COST_TYPE:  # what Arrow would not take: rounded as before
+        # validated amounts and numbers of exact types convert as they are: Arrow rescales
+        # a Decimal (or an int) to the column's 9 decimals exactly and refuses to round. A
+        # subclass goes the old way: Arrow reads a Decimal through its str(), which a
+        # subclass may format its own way, and a float through its raw value where
+        # float() asks the subclass
+        if set(map(type, vals)) <= (_EXACT_MONEY if money else _EXACT_NUMBER):
+            try:
+                children.append(pa.array(vals, f.type))
+                continue
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                pass  # an int past 2**53, which a double holds exactly
+        if money:  # by value, as validation read it
             vals = [None if x is None else
                     Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT) for x in vals]
-        else:  # an int past 2**53, a Decimal latency: as float() makes it
-            vals = [None if x is None else float(x) for x in vals]
+        else:  # a float subclass by its raw value, as validation read it; an int by float()
+            vals = [None if x is None else float.__float__(x) if isinstance(x, float)
+                    else float(x) for x in vals]
         children.append(pa.array(vals, f.type))
     return pa.StructArray.from_arrays(children, fields=list(typ), mask=pa.array(mask))
 
@@ -80,6 +88,10 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
 _STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
                    "summary": REF_TYPE, "context": CONTEXT_TYPE, "usage": USAGE_TYPE,
                    "tools": TOOLS_TYPE}
+
+
+_EXACT_MONEY = {Decimal, int, type(None)}
+_EXACT_NUMBER = {float, int, type(None)}
 
 
 class _Absent:

@@ -31,7 +31,10 @@ from poimen_data.model._limits import (
     utf8_ok,
 )
 
-_ZONE_UTC = zoneinfo.ZoneInfo("UTC")  # one object per key: what Arrow's rows carry
+try:  # one object per key: what Arrow's rows carry
+    _ZONE_UTC: Any = zoneinfo.ZoneInfo("UTC")
+except zoneinfo.ZoneInfoNotFoundError:  # no time-zone database here: nothing carries it
+    _ZONE_UTC = UTC
 
 # one pattern, two bounds: validation caches the strs that matched the longer one
 _ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,%d}"
@@ -355,31 +358,47 @@ def _bad(where: str, fld: str, msg: str,
 bad_field = _bad
 
 
-def _seen(seen: set[Any] | None, v: Any) -> bool:
-    """Whether a value object was validated already (an unhashable one never was: its
-    own check then names the field at fault)."""
-    if seen is None:
-        return False
+class Checked:
+    """What ``validate_event`` checked already, kept by its caller across calls (a
+    transaction, a recorder's record): ids, refs and usages, each of one exact type in a
+    set of its own, so a lookup compares two values of that very type and never asks a
+    stored object of another type or a subclass (whose ``__eq__`` could answer yes to
+    anything); and the refs that are subclasses, never looked up, kept for the commit's
+    check that every body pointed at exists."""
+
+    __slots__ = ("ids", "refs", "usages", "other_refs")
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()  # strs that matched RUN_ID_RE
+        self.refs: set[BlobRef] = set()
+        self.usages: set[Usage] = set()
+        self.other_refs: set[BlobRef] = set()
+
+    def all_refs(self) -> set[BlobRef]:
+        return self.refs | self.other_refs
+
+    def add_refs(self, refs: Iterable[BlobRef]) -> None:
+        """Refs checked elsewhere (a recorder's records)."""
+        for r in refs:
+            (self.refs if type(r) is BlobRef else self.other_refs).add(r)
+
+
+def _known(cache: set[Any] | None, v: Any) -> bool:
+    """Whether ``v`` (of the cache's exact type) was checked already; an unhashable one
+    never was (its own check then names the field at fault)."""
     try:
-        return v in seen
+        return cache is not None and v in cache
     except TypeError:
         return False
 
 
-def _remember(seen: set[Any] | None, v: Any) -> None:
-    if seen is not None:
-        seen.add(v)  # hashable: only called once v passed its check
-
-
-def _check_ref_cached(ref: Any, name: str, seen: set[Any] | None) -> None:
-    if seen is not None and type(ref) is BlobRef:
-        try:
-            if ref in seen:
-                return
-        except TypeError:  # unhashable fields: check_ref names them
-            pass
+def _check_ref_cached(ref: Any, name: str, seen: Checked | None) -> None:
+    exact = type(ref) is BlobRef
+    if exact and _known(None if seen is None else seen.refs, ref):
+        return
     check_ref(ref, "", name)
-    _remember(seen, ref)
+    if seen is not None:  # a subclass too: the commit checks that its body exists
+        (seen.refs if exact else seen.other_refs).add(ref)
 
 
 def _check_int(where: str, name: str, v: Any, minimum: int) -> None:
@@ -433,12 +452,13 @@ def _check_str_tuple(where: str, name: str, v: Any) -> None:
 
 
 def validate_event(e: Any, where: str | int = "event",
-                   seen_refs: set[Any] | None = None) -> None:
+                   seen_refs: Checked | None = None) -> None:
     """Check one event's structure; raise ``ValidationError`` naming ``where`` and the field.
 
     ``where`` may be the event's position (an int): the message is only formatted on a
-    fault. ``seen_refs`` caches refs already checked (a transaction reuses a few refs many
-    times), which keeps validation cheap on the hot append path.
+    fault. ``seen_refs`` (a ``Checked``) is what the caller's earlier calls checked: refs,
+    usages and ids a transaction reuses many times are checked once, which keeps
+    validation cheap on the hot append path.
     """
     kind = getattr(type(e), "kind", None)
     if kind not in EVENT_CLASSES or type(e) is not EVENT_CLASSES[kind]:
@@ -451,26 +471,26 @@ def validate_event(e: Any, where: str | int = "event",
         raise type(exc)(f"{label} ({kind}): {exc}") from None
 
 
-def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
+def _validate(e: Any, kind: str, seen: Checked | None) -> None:
     where = ""
-    # ``seen`` also holds the strs that matched RUN_ID_RE (exactly str: no subclass's
-    # own __eq__ in the set); TENANT_RE is that pattern, at most _TENANT_MAX chars: one
-    # set lookup instead of a regex each
+    # ``seen.ids``: the strs that matched RUN_ID_RE; TENANT_RE is that pattern, at most
+    # _TENANT_MAX chars: one lookup instead of a regex each
+    ids = None if seen is None else seen.ids
     tenant = e.tenant
-    if type(tenant) is not str or seen is None or tenant not in seen \
+    if type(tenant) is not str or ids is None or tenant not in ids \
             or len(tenant) > _TENANT_MAX:
         if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
             raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {tenant!r}")
-        if type(tenant) is str:
-            _remember(seen, tenant)
+        if ids is not None and type(tenant) is str:
+            ids.add(tenant)
     if kind != "blob_reduced":
         run_id = e.run_id
-        if type(run_id) is not str or seen is None or run_id not in seen:
+        if type(run_id) is not str or ids is None or run_id not in ids:
             if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
                 raise _bad(where, "run_id",
                            f"must match {RUN_ID_RE.pattern}, got {run_id!r}")
-            if type(run_id) is str:
-                _remember(seen, run_id)
+            if ids is not None and type(run_id) is str:
+                ids.add(run_id)
     ts = e.ts
     if ts is not None and (type(ts) is not datetime or not 1 < ts.year < 9999
                            or (ts.tzinfo is not UTC and ts.tzinfo is not _ZONE_UTC
@@ -509,10 +529,11 @@ def _validate(e: Any, kind: str, seen: set[Any] | None) -> None:
                     raise _bad(where, "output", "belongs to another tenant than the event",
                            TenantMismatch)
             usage = e.usage
-            if usage is not None and (seen is None or not _seen(seen, usage)):
+            if usage is not None and (type(usage) is not Usage or not _known(
+                    None if seen is None else seen.usages, usage)):
                 _check_usage(where, usage)
-                if type(usage) is Usage:
-                    _remember(seen, usage)
+                if seen is not None and type(usage) is Usage:
+                    seen.usages.add(usage)
             if e.tools is not None:
                 if not isinstance(e.tools, ToolInfo):
                     raise _bad(where, "tools", "must be a ToolInfo")
