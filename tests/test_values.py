@@ -598,3 +598,16 @@ def test_the_package_imports_and_commits_without_a_time_zone_database(tmp_path: 
                          env={**os.environ, "PYTHONTZPATH": str(tmp_path)}, timeout=120)
     assert res.returncode == 0, res.stderr.decode()[-2000:]
     assert res.stdout.decode().split() == ["True", "1"]
+
+
+def test_a_score_past_2_53_that_a_double_holds_commits() -> None:
+    """An int score past 2**53 that a double holds exactly (2**60) passes validation; Arrow
+    refuses to convert such an int, which failed the commit with a raw ArrowInvalid."""
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(_verdict(score=2**60))
+        tx.append(_verdict(score=0.25))
+    con = pdm.connect(log)
+    assert con.execute("select score from events order by lsn").fetchall() \
+        == [(float(2**60),), (0.25,)]
+    con.close()

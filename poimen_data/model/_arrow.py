@@ -60,29 +60,31 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
     children = []
     for f in typ:
         vals = list(map(attrgetter(f.name), values))
-        money = f.type == COST_TYPE
-        if not (money or pa.types.is_floating(f.type)):
-            children.append(pa.array(vals, f.type))
-            continue
-        # validated amounts and numbers of exact types convert as they are: Arrow rescales
-        # a Decimal (or an int) to the column's 9 decimals exactly and refuses to round. A
-        # subclass goes the old way: Arrow reads a Decimal through its str(), which a
-        # subclass may format its own way, and a float through its raw value where
-        # float() asks the subclass
-        if set(map(type, vals)) <= (_EXACT_MONEY if money else _EXACT_NUMBER):
-            try:
-                children.append(pa.array(vals, f.type))
-                continue
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
-                pass  # an int past 2**53, which a double holds exactly
-        if money:  # by value, as validation read it
-            vals = [None if x is None else
-                    Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT) for x in vals]
-        else:  # a float subclass by its raw value, as validation read it; an int by float()
-            vals = [None if x is None else float.__float__(x) if isinstance(x, float)
-                    else float(x) for x in vals]
-        children.append(pa.array(vals, f.type))
+        numeric = f.type == COST_TYPE or pa.types.is_floating(f.type)
+        children.append(_numbers(f.type, vals) if numeric else pa.array(vals, f.type))
     return pa.StructArray.from_arrays(children, fields=list(typ), mask=pa.array(mask))
+
+
+def _numbers(typ: pa.DataType, vals: list[Any]) -> pa.Array:
+    """An amount (``COST_TYPE``) or double column from validated values. Values of exact
+    types convert as they are: Arrow rescales a Decimal (or an int) to the column's 9
+    decimals exactly and refuses to round. Subclasses go the old way, by value, as
+    validation read them: Arrow reads a Decimal through its str(), which a subclass may
+    format its own way, and ``float()`` asks a float subclass where validation read its
+    own value; and so does an int past 2**53 that a double holds exactly (2**60), which
+    Arrow refuses."""
+    money = typ == COST_TYPE
+    if set(map(type, vals)) <= (_EXACT_MONEY if money else _EXACT_NUMBER):
+        try:
+            return pa.array(vals, typ)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            pass
+    if money:
+        return pa.array([None if x is None else
+                         Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT)
+                         for x in vals], typ)
+    return pa.array([None if x is None else float.__float__(x) if isinstance(x, float)
+                     else float(x) for x in vals], typ)
 
 
 _STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
@@ -120,6 +122,8 @@ def _column(name: str, typ: pa.DataType, values: Sequence[Any], n: int) -> pa.Ar
         return _struct(struct, values, n)
     if name == "labels":
         return pa.array([None if v is None else sorted(v.items()) for v in values], typ)
+    if pa.types.is_floating(typ):  # score
+        return _numbers(typ, list(values))
     return pa.array(values, typ)
 
 
