@@ -4,6 +4,7 @@ values inside the limits commit and read back exactly."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import uuid
@@ -611,3 +612,128 @@ def test_a_score_past_2_53_that_a_double_holds_commits() -> None:
     assert con.execute("select score from events order by lsn").fetchall() \
         == [(float(2**60),), (0.25,)]
     con.close()
+
+
+def test_amounts_of_any_scale_are_stored_exactly() -> None:
+    """Validation accepts an amount with any number of trailing zeros; Arrow, handed such a
+    Decimal, stores 0 past a scale of 127 (and crashes the process further on), so every
+    amount not already of 9 decimals is quantized before it gets there."""
+    wide = Decimal("7.25" + "0" * 128)
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(_finished(usage=Usage(cost_usd=wide)))
+    with log.recorder(max_delay_ms=0) as rec:
+        rec.record([_finished(usage=Usage(cost_usd=COST_MAX + Decimal("0E-200")))]).result()
+    con = pdm.connect(log)
+    assert con.execute("select usage.cost_usd from events order by lsn").fetchall() \
+        == [(Decimal("7.25"),), (COST_MAX,)]
+    con.close()
+
+
+_ZERO_OF_HUGE_SCALE_CHILD = """
+from decimal import Decimal
+import poimen_data as pdm
+from poimen_data.events import AttemptFinished, Usage
+log = pdm.open_log("memory://huge-scale")
+with log.transaction() as tx:
+    tx.append(AttemptFinished("acme", "r", 0, "s", 1, "failed",
+                              usage=Usage(cost_usd=Decimal("0E-5000000"))))
+print(log.read_events().column("usage").to_pylist()[0]["cost_usd"])
+"""
+
+
+def test_a_zero_of_huge_scale_commits_in_a_process_that_survives() -> None:
+    """``Decimal('0E-5000000')`` is a valid zero; converted by Arrow it crashed the process
+    (a child here, so a crash fails this test instead of the run)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _ZERO_OF_HUGE_SCALE_CHILD],
+                         capture_output=True, timeout=120)
+    assert res.returncode == 0, (res.returncode, res.stderr.decode()[-2000:])
+    assert res.stdout.decode().strip() == "0E-9"
+
+
+class _Liar:
+    """Not a Usage, but equal to anything, and hashed as ``like``."""
+
+    def __init__(self, like: object) -> None:
+        self._hash = hash(like)
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def test_a_checked_value_is_reused_only_for_the_same_types_all_through() -> None:
+    """What validation caches is compared by value; a bool equals 1 and 5.0 equals 5, and
+    a liar equals anything: each of these, after an equal value was checked, is checked
+    itself (it passed and failed the commit with a raw Arrow error, or stored a ref to a
+    body that does not exist)."""
+    ok = Usage(input_tokens=1)
+    for bad, field in ((Usage(input_tokens=True), "usage.input_tokens"),  # type: ignore[arg-type]
+                       (Usage(input_tokens=1.0), "usage.input_tokens"),  # type: ignore[arg-type]
+                       (_Liar(ok), "usage")):
+        assert f"event 1 (attempt_finished): field {field!r}" in _refused_whole(
+            [_finished(usage=ok), _finished(usage=bad)])  # type: ignore[arg-type]
+    ref = BlobRef(T, "ab" * 32, 1)
+    assert "event 1 (attempt_dispatched): field 'prompt' size must be an int" in \
+        _refused_whole([AttemptDispatched(T, "r", 0, "s", 0, 1, prompt=ref),
+                        AttemptDispatched(T, "r", 0, "s", 1, 1,
+                                          prompt=BlobRef(T, "ab" * 32, True))])
+
+
+_ABC = BlobRef(T, hashlib.sha256(b"abc").hexdigest(), 3)  # the ref tx.put_blob(T, b"abc") gives
+
+
+class _SlyLike(BlobRef):
+    """A ref to a body nobody put, equal to anything, hashed as ``_ABC``."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash(_ABC)
+
+
+def test_every_ref_is_checked_for_its_body_whatever_it_equals() -> None:
+    """A transaction checks at commit that every ref points at a body of its size: one
+    put in it, or one committed. A ref subclass that equals a ref put in the transaction
+    is checked all the same (a set of refs dropped it as a duplicate), and so is a ref
+    whose size is not its body's, when that body is put in the same transaction."""
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "before", "wf"))
+    before = _files(log)
+    with pytest.raises(ValidationError, match="no committed body"):
+        with log.transaction() as tx:
+            good = tx.put_blob(T, b"abc")
+            tx.append(AttemptDispatched(T, "r", 0, "s", 0, 1, prompt=good))
+            tx.append(AttemptDispatched(T, "r", 0, "s", 1, 1,
+                                        prompt=_SlyLike(T, "ee" * 32, 3)))
+    with pytest.raises(ValidationError, match="size 999 does not match the body"):
+        with log.transaction() as tx:
+            ref = tx.put_blob(T, b"xyz")
+            tx.append(AttemptDispatched(T, "r", 0, "s", 0, 1,
+                                        prompt=BlobRef(T, ref.sha256, 999)))
+    assert _files(log) == before and log.head == 1
+
+
+class _NegD(Decimal):
+    def __lt__(self, other: object) -> bool:
+        return False
+
+
+class _NegF(float):
+    def __lt__(self, other: object) -> bool:
+        return False
+
+
+def test_a_negative_number_is_refused_whatever_it_says_of_itself() -> None:
+    """Limits are checked on the value stored, not through a subclass's comparisons."""
+    assert "usage.cost_usd' must be >= 0" in _refused_whole(
+        [_finished(usage=Usage(cost_usd=_NegD("-5")))])
+    assert "usage.latency_ms' must be >= 0" in _refused_whole(
+        [_finished(usage=Usage(latency_ms=_NegF(-5.0)))])

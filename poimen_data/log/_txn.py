@@ -7,6 +7,7 @@ asks the log to publish the manifest (``LogInternals.publish``); see README "Com
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import uuid
 from collections.abc import Iterable
@@ -332,15 +333,19 @@ class Transaction:
             self.log.storage.delete(self._segment_path)
 
     def _check_refs(self) -> None:
-        """Every ref must be a body of this transaction or a committed, unreduced one."""
-        mine = set(self._staged) | set(self._reused)
-        refs = self._seen_refs.all_refs()  # subclasses too
-        for t in self._bulk:
-            refs |= table_refs(t)
+        """Every ref must be a body of this transaction or a committed, unreduced one, of
+        its size."""
+        mine = {k: e.size for k, e in self._staged.items()}
+        mine.update((k, len(data)) for k, data in self._reused.items())
+        refs = itertools.chain(self._seen_refs.all_refs(),  # subclasses too
+                               *(table_refs(t) for t in self._bulk))
         for ref in refs:
-            if (ref.tenant, ref.sha256) in mine:
-                continue
-            problem = ref_problem(self.log, ref)
+            size = mine.get((ref.tenant, ref.sha256))
+            if size is not None:
+                problem = None if ref.size == size else \
+                    f"size {ref.size} does not match the body"
+            else:
+                problem = ref_problem(self.log, ref)
             if problem is not None:
                 hint = " (put it with tx.put_blob in this transaction)" \
                     if problem == NO_BODY else ""

@@ -66,23 +66,24 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
 
 
 def _numbers(typ: pa.DataType, vals: list[Any]) -> pa.Array:
-    """An amount (``COST_TYPE``) or double column from validated values. Values of exact
-    types convert as they are: Arrow rescales a Decimal (or an int) to the column's 9
-    decimals exactly and refuses to round. Subclasses go the old way, by value, as
-    validation read them: Arrow reads a Decimal through its str(), which a subclass may
-    format its own way, and ``float()`` asks a float subclass where validation read its
-    own value; and so does an int past 2**53 that a double holds exactly (2**60), which
-    Arrow refuses."""
-    money = typ == COST_TYPE
-    if set(map(type, vals)) <= (_EXACT_MONEY if money else _EXACT_NUMBER):
+    """An amount (``COST_TYPE``) or double column from validated values, stored as the
+    values validation read. An amount goes to Arrow only as a Decimal of exactly 9
+    decimals; any other (an int, more or fewer decimals, a subclass) is quantized here by
+    value, exactly: Arrow reads a Decimal through its str(), which a subclass may format
+    its own way, and past a scale of 127 it stores 0, or crashes. Doubles of exact types go
+    as they are; a float subclass by its raw value (``float()`` would ask the subclass),
+    and an int past 2**53 that a double holds exactly (2**60, which Arrow refuses) by
+    ``float()``, as validation read them."""
+    if typ == COST_TYPE:
+        return pa.array([x if type(x) is Decimal and x.as_tuple().exponent == -9
+                         else None if x is None
+                         else Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT)
+                         for x in vals], typ)
+    if set(map(type, vals)) <= _EXACT_NUMBER:
         try:
             return pa.array(vals, typ)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
+        except pa.ArrowInvalid:
             pass
-    if money:
-        return pa.array([None if x is None else
-                         Decimal(x).quantize(COST_QUANTUM, context=MONEY_CONTEXT)
-                         for x in vals], typ)
     return pa.array([None if x is None else float.__float__(x) if isinstance(x, float)
                      else float(x) for x in vals], typ)
 
@@ -92,7 +93,6 @@ _STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
                    "tools": TOOLS_TYPE}
 
 
-_EXACT_MONEY = {Decimal, int, type(None)}
 _EXACT_NUMBER = {float, int, type(None)}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import zoneinfo
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -360,45 +360,71 @@ bad_field = _bad
 
 class Checked:
     """What ``validate_event`` checked already, kept by its caller across calls (a
-    transaction, a recorder's record): ids, refs and usages, each of one exact type in a
-    set of its own, so a lookup compares two values of that very type and never asks a
-    stored object of another type or a subclass (whose ``__eq__`` could answer yes to
-    anything); and the refs that are subclasses, never looked up, kept for the commit's
-    check that every body pointed at exists."""
+    transaction, a recorder's record): ids, refs and usages, each of exact types all
+    through, in a set of its own, so a lookup compares two values of those very types and
+    never asks an object of another type or a subclass (whose ``__eq__`` could answer yes
+    to anything, or a bool that equals 1); and every other ref, never looked up, kept for
+    the commit's check that every body pointed at exists."""
 
     __slots__ = ("ids", "refs", "usages", "other_refs")
 
     def __init__(self) -> None:
         self.ids: set[str] = set()  # strs that matched RUN_ID_RE
-        self.refs: set[BlobRef] = set()
-        self.usages: set[Usage] = set()
-        self.other_refs: set[BlobRef] = set()
+        self.refs: set[BlobRef] = set()  # of exact types all through (_plain_ref)
+        self.usages: set[Usage] = set()  # the same (_plain_usage)
+        self.other_refs: list[BlobRef] = []  # a list: no equality of theirs is asked
 
-    def all_refs(self) -> set[BlobRef]:
-        return self.refs | self.other_refs
+    def all_refs(self) -> Iterator[BlobRef]:
+        """Every ref checked, each plain one once, every other as often as it came."""
+        yield from self.refs
+        yield from self.other_refs
 
     def add_refs(self, refs: Iterable[BlobRef]) -> None:
         """Refs checked elsewhere (a recorder's records)."""
         for r in refs:
-            (self.refs if type(r) is BlobRef else self.other_refs).add(r)
+            if _plain_ref(r):
+                self.refs.add(r)
+            else:
+                self.other_refs.append(r)
 
 
-def _known(cache: set[Any] | None, v: Any) -> bool:
-    """Whether ``v`` (of the cache's exact type) was checked already; an unhashable one
-    never was (its own check then names the field at fault)."""
+def _plain_ref(ref: Any) -> bool:
+    """A ref of exact types all through, whose equality is its fields' own (a subclass, a
+    bool size equal to 1 or a str subclass would compare equal to a ref checked before)."""
+    return type(ref) is BlobRef and type(ref.tenant) is str and type(ref.sha256) is str \
+        and type(ref.size) is int
+
+
+def _plain_usage(u: Any) -> bool:
+    """A usage of exact types all through (see ``_plain_ref``)."""
+    return type(u) is Usage and all(type(getattr(u, n)) in _PLAIN_INT for n, _ in _USAGE_INTS) \
+        and type(u.cost_usd) in _PLAIN_COST and type(u.latency_ms) in _PLAIN_NUMBER
+
+
+def _cached(cache: set[Any], v: Any) -> bool:
+    """Whether ``v`` was checked already; one that does not hash (a signalling NaN cost)
+    never was, and its own check names the field at fault."""
     try:
-        return cache is not None and v in cache
+        return v in cache
     except TypeError:
         return False
 
 
+_PLAIN_INT = (int, type(None))
+_PLAIN_COST = (Decimal, int, type(None))
+_PLAIN_NUMBER = (float, int, type(None))
+
+
 def _check_ref_cached(ref: Any, name: str, seen: Checked | None) -> None:
-    exact = type(ref) is BlobRef
-    if exact and _known(None if seen is None else seen.refs, ref):
+    plain = _plain_ref(ref)
+    if plain and seen is not None and ref in seen.refs:
         return
     check_ref(ref, "", name)
-    if seen is not None:  # a subclass too: the commit checks that its body exists
-        (seen.refs if exact else seen.other_refs).add(ref)
+    if seen is not None:  # any other too: the commit checks that its body exists
+        if plain:
+            seen.refs.add(ref)
+        else:
+            seen.other_refs.append(ref)
 
 
 def _check_int(where: str, name: str, v: Any, minimum: int) -> None:
@@ -529,11 +555,12 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
                     raise _bad(where, "output", "belongs to another tenant than the event",
                            TenantMismatch)
             usage = e.usage
-            if usage is not None and (type(usage) is not Usage or not _known(
-                    None if seen is None else seen.usages, usage)):
-                _check_usage(where, usage)
-                if seen is not None and type(usage) is Usage:
-                    seen.usages.add(usage)
+            if usage is not None:
+                cache = seen.usages if seen is not None and _plain_usage(usage) else None
+                if cache is None or not _cached(cache, usage):
+                    _check_usage(where, usage)
+                    if cache is not None:
+                        cache.add(usage)
             if e.tools is not None:
                 if not isinstance(e.tools, ToolInfo):
                     raise _bad(where, "tools", "must be a ToolInfo")

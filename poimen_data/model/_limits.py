@@ -66,6 +66,8 @@ def number_problem(v: Any, *, minimum: float | None = None) -> str | None:
     """Why ``v`` cannot be stored exactly as a finite double (None when it can)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
         return f"must be a number, got {type(v).__name__}"
+    # the value itself, as it is stored (_arrow._numbers), not what a subclass answers
+    v = float.__float__(v) if isinstance(v, float) else int.__int__(v)
     if isinstance(v, float):
         if not math.isfinite(v):
             return f"must be a finite double, got {v!r}"
@@ -87,7 +89,7 @@ def cost_problem(v: Any) -> str | None:
     More decimals are refused rather than rounded: money is stored exactly."""
     if isinstance(v, bool) or not isinstance(v, Decimal | int):
         return "must be a Decimal (money is stored exactly)"
-    d = v if isinstance(v, Decimal) else Decimal(v)
+    d = v if type(v) is Decimal else Decimal(v)  # a subclass's value, not its methods
     if not d.is_finite():
         return f"must be a finite amount, got {d}"
     if d < 0:
