@@ -737,3 +737,65 @@ def test_a_negative_number_is_refused_whatever_it_says_of_itself() -> None:
         [_finished(usage=Usage(cost_usd=_NegD("-5")))])
     assert "usage.latency_ms' must be >= 0" in _refused_whole(
         [_finished(usage=Usage(latency_ms=_NegF(-5.0)))])
+
+
+class _NanInt(int):
+    """An int whose float() answers NaN."""
+
+    def __float__(self) -> float:
+        return math.nan
+
+
+class _LyingFloat(float):
+    def __float__(self) -> float:
+        return math.inf
+
+
+def test_numbers_are_stored_as_the_values_validation_read() -> None:
+    """An int or float subclass is checked and stored by its own value; what its
+    ``float()`` answers is never asked, on the event path and in a grader's verdict
+    (which stored a lying float's answer, inf)."""
+    from poimen_data.jobs._grade import Verdict
+    from poimen_data.jobs._grade_exec import safe_verdict
+
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(_verdict(score=_NanInt(5)))
+        tx.append(_finished(usage=Usage(latency_ms=_NanInt(7))))
+    with log.recorder(max_delay_ms=0) as rec:
+        rec.record([_verdict(score=_LyingFloat(-1.0))]).result()
+    con = pdm.connect(log)
+    assert con.execute("select score, usage.latency_ms from events order by lsn").fetchall() \
+        == [(5.0, None), (None, 7.0), (-1.0, None)]
+    con.close()
+    assert safe_verdict(Verdict(True, score=_NanInt(5)))[:2] == (True, 5.0)
+    assert safe_verdict(Verdict(True, score=_LyingFloat(-1.0)))[:2] == (True, -1.0)
+
+
+def test_a_bulk_tables_refs_point_at_bodies_of_their_size() -> None:
+    """A table's refs are checked at commit like event objects': a body put in the same
+    transaction must have the ref's size, and a body nobody put is refused."""
+    log = _new_log()
+    with log.transaction() as tx:
+        tx.append(RunStarted(T, "before", "wf"))
+    before = _files(log)
+
+    def dispatched(ref: BlobRef) -> pa.Table:
+        return pa.Table.from_pylist([{
+            "ts": datetime(2026, 1, 1, tzinfo=UTC), "kind": "attempt_dispatched",
+            "tenant": T, "run_id": "r", "branch_id": 0, "step_id": "s", "step_index": 0,
+            "attempt_no": 1, "prompt": {"tenant": ref.tenant, "sha256": ref.sha256,
+                                        "size": ref.size}}], schema=EVENT_SCHEMA)
+
+    with pytest.raises(ValidationError, match="size 999 does not match the body"):
+        with log.transaction() as tx:
+            ref = tx.put_blob(T, b"xyz")
+            tx.extend(dispatched(BlobRef(T, ref.sha256, 999)))
+    with pytest.raises(ValidationError, match="no committed body"):
+        with log.transaction() as tx:
+            tx.extend(dispatched(BlobRef(T, "ee" * 32, 3)))
+    assert _files(log) == before and log.head == 1
+    with log.transaction() as tx:
+        ref = tx.put_blob(T, b"xyz")
+        tx.extend(dispatched(ref))
+    assert log.head == 2

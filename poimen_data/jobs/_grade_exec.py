@@ -24,7 +24,7 @@ from poimen_data.jobs._grade_types import (
     VerifierScope,
 )
 from poimen_data.log._blobs import BlobStore
-from poimen_data.model._limits import number_problem, text_problem, utf8_ok
+from poimen_data.model._limits import number_problem, stored_double, text_problem, utf8_ok
 
 if TYPE_CHECKING:
     from poimen_data.fold._build import Budget
@@ -206,7 +206,7 @@ def safe_verdict(out: Any) -> Outcome:
             problem = number_problem(score)
             if problem:
                 return _error(f"score {problem}")
-            score = float(score)
+            score = stored_double(score)
         detail = out.detail
         if detail is not None:
             if not isinstance(detail, str):

@@ -43,7 +43,7 @@ from poimen_data.model._events import (
 )
 from poimen_data.model._events import REQUIRED_FIELDS as _REQUIRED
 from poimen_data.model._events import bad_field as _bad
-from poimen_data.model._limits import COST_MAX, MONEY_CONTEXT
+from poimen_data.model._limits import COST_MAX, MONEY_CONTEXT, stored_double
 
 TableOrBatch = TypeVar("TableOrBatch", pa.Table, pa.RecordBatch)
 
@@ -71,9 +71,8 @@ def _numbers(typ: pa.DataType, vals: list[Any]) -> pa.Array:
     decimals; any other (an int, more or fewer decimals, a subclass) is quantized here by
     value, exactly: Arrow reads a Decimal through its str(), which a subclass may format
     its own way, and past a scale of 127 it stores 0, or crashes. Doubles of exact types go
-    as they are; a float subclass by its raw value (``float()`` would ask the subclass),
-    and an int past 2**53 that a double holds exactly (2**60, which Arrow refuses) by
-    ``float()``, as validation read them."""
+    as they are; the rest (a subclass, an int past 2**53 that a double holds exactly, which
+    Arrow refuses) as ``stored_double`` makes them, the values validation read."""
     if typ == COST_TYPE:
         return pa.array([x if type(x) is Decimal and x.as_tuple().exponent == -9
                          else None if x is None
@@ -84,8 +83,7 @@ def _numbers(typ: pa.DataType, vals: list[Any]) -> pa.Array:
             return pa.array(vals, typ)
         except pa.ArrowInvalid:
             pass
-    return pa.array([None if x is None else float.__float__(x) if isinstance(x, float)
-                     else float(x) for x in vals], typ)
+    return pa.array([None if x is None else stored_double(x) for x in vals], typ)
 
 
 _STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,

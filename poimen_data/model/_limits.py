@@ -62,6 +62,13 @@ def int_problem(v: Any, minimum: int) -> str | None:
     return None
 
 
+def stored_double(v: int | float) -> float:
+    """The double a number ``number_problem`` passed is stored as: a float's own value, an
+    int's own value as a double. A subclass's ``__float__`` is never asked (validation
+    does not see what it answers)."""
+    return float.__float__(v) if isinstance(v, float) else float(int.__int__(v))
+
+
 def number_problem(v: Any, *, minimum: float | None = None) -> str | None:
     """Why ``v`` cannot be stored exactly as a finite double (None when it can)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
