@@ -65,6 +65,9 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
     return pa.StructArray.from_arrays(children, fields=list(typ), mask=pa.array(mask))
 
 
+_EXACT_NUMBER = {float, int, type(None)}  # what Arrow converts to a double as it is
+
+
 def _numbers(typ: pa.DataType, vals: list[Any]) -> pa.Array:
     """An amount (``COST_TYPE``) or double column from validated values, stored as the
     values validation read. An amount goes to Arrow only as a Decimal of exactly 9
@@ -89,9 +92,6 @@ def _numbers(typ: pa.DataType, vals: list[Any]) -> pa.Array:
 _STRUCT_COLUMNS = {"prompt": REF_TYPE, "output": REF_TYPE, "original": REF_TYPE,
                    "summary": REF_TYPE, "context": CONTEXT_TYPE, "usage": USAGE_TYPE,
                    "tools": TOOLS_TYPE}
-
-
-_EXACT_NUMBER = {float, int, type(None)}
 
 
 class _Absent:

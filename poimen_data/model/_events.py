@@ -518,10 +518,10 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
             if ids is not None and type(run_id) is str:
                 ids.add(run_id)
     ts = e.ts
+    # the common case costs no call: an aware stamp in either UTC, within the years
     if ts is not None and (type(ts) is not datetime or not 1 < ts.year < 9999
                            or (ts.tzinfo is not UTC and ts.tzinfo is not _ZONE_UTC
                                and ts.utcoffset() is None)):
-        # the common case costs no call
         problem = ts_problem(ts)
         if problem:
             raise _bad(where, "ts", problem)

@@ -73,7 +73,7 @@ def number_problem(v: Any, *, minimum: float | None = None) -> str | None:
     """Why ``v`` cannot be stored exactly as a finite double (None when it can)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
         return f"must be a number, got {type(v).__name__}"
-    # the value itself, as it is stored (_arrow._numbers), not what a subclass answers
+    # the value itself, as ``stored_double`` stores it, not what a subclass answers
     v = float.__float__(v) if isinstance(v, float) else int.__int__(v)
     if isinstance(v, float):
         if not math.isfinite(v):
