@@ -457,7 +457,7 @@ def _refused_whole(events: list[Any]) -> str:
     with log.recorder(max_delay_ms=0) as rec:
         fut = rec.record(events)
         with pytest.raises(ValidationError) as rec_error:
-            fut.result()
+            fut.result(timeout=120)
     assert _files(log) == before and log.head == 1
     assert str(rec_error.value).split(": ", 1)[1] == str(txn_error.value).split(": ", 1)[1]
     return str(txn_error.value)
@@ -575,13 +575,13 @@ def test_subclassed_numbers_are_stored_as_the_values_validation_read() -> None:
 
 
 _NO_ZONES_CHILD = """
-import sys, tempfile
+import sys
 from datetime import UTC, datetime
 sys.modules["tzdata"] = None  # no time-zone package either
 import poimen_data as pdm
 from poimen_data import events as E
 from poimen_data.model import _events
-log = pdm.open_log(tempfile.mkdtemp())
+log = pdm.open_log("memory://no-zones")
 with log.transaction() as tx:
     tx.append(E.RunStarted("acme", "r", "wf", ts=datetime(2026, 1, 1, tzinfo=UTC)))
 print(_events._ZONE_UTC is UTC, log.head)
@@ -623,7 +623,8 @@ def test_amounts_of_any_scale_are_stored_exactly() -> None:
     with log.transaction() as tx:
         tx.append(_finished(usage=Usage(cost_usd=wide)))
     with log.recorder(max_delay_ms=0) as rec:
-        rec.record([_finished(usage=Usage(cost_usd=COST_MAX + Decimal("0E-200")))]).result()
+        rec.record([_finished(usage=Usage(cost_usd=COST_MAX + Decimal("0E-200")))]
+                   ).result(timeout=120)
     con = pdm.connect(log)
     assert con.execute("select usage.cost_usd from events order by lsn").fetchall() \
         == [(Decimal("7.25"),), (COST_MAX,)]
@@ -719,6 +720,15 @@ def test_every_ref_is_checked_for_its_body_whatever_it_equals() -> None:
             tx.append(AttemptDispatched(T, "r", 0, "s", 0, 1,
                                         prompt=BlobRef(T, ref.sha256, 999)))
     assert _files(log) == before and log.head == 1
+    with log.transaction() as tx:  # a body committed: put again, it is reused, not staged
+        kept = tx.put_blob(T, b"kept")
+    before = _files(log)
+    with pytest.raises(ValidationError, match="size 999 does not match the body"):
+        with log.transaction() as tx:
+            assert tx.put_blob(T, b"kept") == kept
+            tx.append(AttemptDispatched(T, "r", 0, "s", 0, 1,
+                                        prompt=BlobRef(T, kept.sha256, 999)))
+    assert _files(log) == before
 
 
 class _NegD(Decimal):
@@ -763,7 +773,7 @@ def test_numbers_are_stored_as_the_values_validation_read() -> None:
         tx.append(_verdict(score=_NanInt(5)))
         tx.append(_finished(usage=Usage(latency_ms=_NanInt(7))))
     with log.recorder(max_delay_ms=0) as rec:
-        rec.record([_verdict(score=_LyingFloat(-1.0))]).result()
+        rec.record([_verdict(score=_LyingFloat(-1.0))]).result(timeout=120)
     con = pdm.connect(log)
     assert con.execute("select score, usage.latency_ms from events order by lsn").fetchall() \
         == [(5.0, None), (None, 7.0), (-1.0, None)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import sys
@@ -327,22 +328,44 @@ class SyncFsBatch:
             os.close(fd)
 
 
+# What a file system that syncs no directories answers (PostgreSQL's fsync_fname takes
+# the same as "not supported"): opening one to read, or fsync on it
+_NO_DIR_OPEN = frozenset({errno.EACCES, errno.EISDIR})
+_NO_DIR_SYNC = frozenset({errno.EINVAL, errno.EBADF})
+_said_no_dir_sync = False
+
+
 def _fsync_dir(d: str) -> None:
     """Make a new name in ``d`` durable (after ``os.link``). It is visible already, so a
     failure cannot undo it, and raising would read as "not put" (a commit's abort would
     remove what its visible manifest names): it is logged as an error instead, naming the
     directory, since that name may not survive a power loss (a disk that failed a sync
-    may well fail the next ones too)."""
+    may well fail the next ones too). A file system that cannot sync a directory at all
+    is said once, as a warning."""
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError as exc:
-        _logger.error("%s: a new file's name was not synced (opening its directory "
-                      "failed: %s); it may not survive a power loss", d, exc)
+        if exc.errno in _NO_DIR_OPEN:
+            _no_dir_sync(d, exc)
+        else:
+            _logger.error("%s: a new file's name was not synced (opening its directory "
+                          "failed: %s); it may not survive a power loss", d, exc)
         return
     try:
         os.fsync(fd)
     except OSError as exc:
-        _logger.error("%s: syncing the directory after a new file's link failed (%s); "
-                      "that name may not survive a power loss", d, exc)
+        if exc.errno in _NO_DIR_SYNC:
+            _no_dir_sync(d, exc)
+        else:
+            _logger.error("%s: syncing the directory after a new file's link failed (%s); "
+                          "that name may not survive a power loss", d, exc)
     finally:
         os.close(fd)
+
+
+def _no_dir_sync(d: str, exc: OSError) -> None:
+    global _said_no_dir_sync
+    if not _said_no_dir_sync:
+        _said_no_dir_sync = True
+        _logger.warning("%s: this file system does not sync directories (%s): a new "
+                        "file's name may not survive a power loss (said once)", d, exc)
