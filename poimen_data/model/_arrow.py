@@ -68,7 +68,7 @@ def _struct(typ: pa.StructType, values: Sequence[Any], n: int) -> pa.Array:
 _EXACT_NUMBER = {float, int, type(None)}  # what Arrow converts to a double as it is
 
 
-def _numbers(typ: pa.DataType, vals: list[Any]) -> pa.Array:
+def _numbers(typ: pa.DataType, vals: Sequence[Any]) -> pa.Array:
     """An amount (``COST_TYPE``) or double column from validated values, stored as the
     values validation read. An amount goes to Arrow only as a Decimal of exactly 9
     decimals; any other (an int, more or fewer decimals, a subclass) is quantized here by
@@ -121,7 +121,7 @@ def _column(name: str, typ: pa.DataType, values: Sequence[Any], n: int) -> pa.Ar
     if name == "labels":
         return pa.array([None if v is None else sorted(v.items()) for v in values], typ)
     if pa.types.is_floating(typ):  # score
-        return _numbers(typ, list(values))
+        return _numbers(typ, values)
     return pa.array(values, typ)
 
 

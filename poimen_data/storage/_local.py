@@ -342,25 +342,19 @@ def _fsync_dir(d: str) -> None:
     directory, since that name may not survive a power loss (a disk that failed a sync
     may well fail the next ones too). A file system that cannot sync a directory at all
     is said once, as a warning."""
+    fd = None
     try:
         fd = os.open(d, os.O_RDONLY)
-    except OSError as exc:
-        if exc.errno in _NO_DIR_OPEN:
-            _no_dir_sync(d, exc)
-        else:
-            _logger.error("%s: a new file's name was not synced (opening its directory "
-                          "failed: %s); it may not survive a power loss", d, exc)
-        return
-    try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno in _NO_DIR_SYNC:
+        if exc.errno in (_NO_DIR_OPEN if fd is None else _NO_DIR_SYNC):
             _no_dir_sync(d, exc)
         else:
             _logger.error("%s: syncing the directory after a new file's link failed (%s); "
                           "that name may not survive a power loss", d, exc)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _no_dir_sync(d: str, exc: OSError) -> None:
