@@ -7,15 +7,17 @@ later comparisons read. A scenario may say "n/a" only when its module is really 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from poimen_data.bench import _runner as _bench
-from poimen_data.bench._recorder import ROLES
+from poimen_data.bench._recorder import PRODUCERS, ROLES, _floor
 from poimen_data.bench._runner import Result, run, run_cli, scenario_names, write_json
 
 RESULT_KEYS = {"name", "title", "status", "goal", "ours", "reference", "ratio", "unit",
@@ -55,6 +57,18 @@ def test_quick_bench_reports_every_scenario(quick_results: list[Result]) -> None
     assert all(roles[r] > 0 for r in ("producers", "gatherer", "committer", "writes"))
     assert 0.6 * (user + system) <= sum(roles.values()) <= 1.05 * (user + system) + 5, roles
     assert f"by thread (user + system): producers {roles['producers']:.0f} us" in group.note
+    # ... and the floor under it: the same producers, a bare writer, no events
+    floor = group.details["floor_events_per_s"]
+    assert math.isfinite(floor) and floor > 0
+    assert f"ours at {group.ours / floor:.0%} of it" in group.note
+    writers = quick_results[EXPECTED.index("s3_writers")]  # the CPU a record costs
+    w = {n: writers.details["s3"][n]["writers_ms_per_record"] for n in ("1", "8")}
+    assert all(math.isfinite(v) and v > 0 for v in w.values()), w
+    assert f"(all threads): N=1 {w['1']:.1f} ms, N=8 {w['8']:.1f} ms" in writers.note
+    if sys.platform.startswith("linux"):  # ... and moto's, in its own process
+        ms = {n: writers.details["s3"][n]["server_ms_per_record"] for n in ("1", "8")}
+        assert all(math.isfinite(v) and v > 0 for v in ms.values()), ms
+        assert f"(its own process): N=1 {ms['1']:.1f} ms, N=8 {ms['8']:.1f} ms" in writers.note
 
 
 @pytest.mark.slow
@@ -93,3 +107,25 @@ def test_run_cli_one_scenario_prints_and_writes_json(tmp_path: Path,
 def test_run_cli_unknown_scenario_is_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(True, None, "no-such-thing", None) == 2
     assert "no scenario" in capsys.readouterr().out
+
+
+def test_floor_writer_does_the_format_file_work(tmp_path: Path) -> None:
+    """The bare writer under ``group_commit`` (the floor the note compares with) really
+    writes what it claims: every body in its own file under ``blobs/`` with its own
+    bytes, the manifests in ``_log/`` naming them all (no temp file left), every pack and
+    staging area removed."""
+    root = tmp_path / "floor"
+    d = _floor(str(root), 2)
+    assert d.wall > 0 and len(d.lat) == PRODUCERS * 2
+    blobs = sorted(root.glob("blobs/acme/*/*"))
+    assert len(blobs) == PRODUCERS * 2
+    for b in blobs:
+        data = b.read_bytes()
+        assert len(data) == 4096 and hashlib.sha256(data).hexdigest() == b.name
+        assert b.parent.name == b.name[:2]
+    manifests = sorted(p.name for p in (root / "_log").iterdir())
+    assert manifests and all(n.endswith(".json") for n in manifests)
+    named = [sha for n in manifests
+             for sha in json.loads((root / "_log" / n).read_text())["blobs"]]
+    assert sorted(named) == [b.name for b in blobs]
+    assert list((root / "_staging").iterdir()) == []

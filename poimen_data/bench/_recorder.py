@@ -6,6 +6,7 @@ processes racing for one log. Run ``python -m poimen_data.bench._recorder`` as a
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -169,16 +171,115 @@ def _one_by_one(log: Any, per: int) -> Driven:
     return _drive(per, one)
 
 
+def _floor(root: str, per: int) -> Driven:
+    """The floor under ``group_commit`` on this machine: the same producers (each hashing
+    its body and waiting on a ``Future``) handing their bodies to a bare writer that does
+    only this format's file work, through the same storage calls as a log, and no event
+    at all. Per window (whatever came in while the last one was written): a pack of its
+    bodies and one ``syncfs``, a manifest put in ``_log/`` (``put_if_absent``: written,
+    fsynced, linked, its directory fsynced), the futures resolved; then, on a second
+    thread, each body written to ``blobs/`` as promotion writes it, one more ``syncfs``,
+    the pack and its staging area removed. Where there is no ``syncfs``, each file is
+    fsynced instead."""
+    from poimen_data.log._manifest import blob_path, manifest_path
+    from poimen_data.storage import open_storage
+
+    os.makedirs(root, exist_ok=True)  # as a log's root is, before any write
+    storage = open_storage(root)
+    cv = threading.Condition()
+    inbox: list[tuple[str, bytes, Future[int]]] = []
+    stopped = False
+    promoter = ThreadPoolExecutor(1, thread_name_prefix="bench-floor-promote")
+    promotions: list[Future[None]] = []
+
+    def durable(write: Callable[[bool], None]) -> None:
+        """``write(sync)`` files, made durable by one syncfs after, or by an fsync each
+        (``sync``) where there is none."""
+        batch = storage.durable_batch()
+        try:
+            write(batch is None)
+            if batch is not None:
+                batch.sync()
+        finally:
+            if batch is not None:
+                batch.close()
+
+    def promote(window: list[tuple[str, bytes, Future[int]]], pack: str) -> None:
+        def copy_out(sync: bool) -> None:
+            for sha, body, _fut in window:
+                storage.write(blob_path("acme", sha), body, durable=sync)
+
+        durable(copy_out)
+        storage.delete(pack)
+        storage.delete_tree(os.path.dirname(pack))  # its staging area, empty now
+
+    def publish(seq: int, window: list[tuple[str, bytes, Future[int]]]) -> None:
+        pack = f"_staging/{seq}/bodies.pack"
+        data = b"".join(body for _sha, body, _fut in window)
+        durable(lambda sync: storage.write_new(pack, data, sync=sync))
+        doc = {"seq": seq, "blobs": [sha for sha, _body, _fut in window]}
+        if not storage.put_if_absent(manifest_path(seq), json.dumps(doc).encode()):
+            raise RuntimeError(f"the floor's manifest {seq} was there already")
+        for _sha, _body, fut in window:
+            fut.set_result(seq)
+        promotions.append(promoter.submit(promote, window, pack))
+
+    def writer() -> None:
+        seq, failed = 0, None
+        while True:
+            with cv:
+                while not inbox and not stopped:
+                    cv.wait()
+                if not inbox:
+                    return
+                window = inbox[:]
+                inbox.clear()
+            seq += 1
+            try:
+                if failed is None:
+                    publish(seq, window)
+            except BaseException as exc:  # noqa: BLE001 - its producers raise it
+                failed = exc
+            if failed is not None:
+                for _sha, _body, fut in window:
+                    fut.set_exception(failed)
+
+    def one(p: int, k: int, body: bytes) -> None:
+        fut: Future[int] = Future()
+        item = (hashlib.sha256(body).hexdigest(), body, fut)
+        with cv:
+            inbox.append(item)
+            cv.notify()
+        fut.result()
+
+    thread = threading.Thread(target=writer, name="bench-floor-writer", daemon=True)
+    thread.start()
+    try:
+        return _drive(per, one)
+    finally:
+        with cv:
+            stopped = True
+            cv.notify()
+        thread.join()
+        promoter.shutdown()
+        for f in promotions:
+            f.result()
+
+
 def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
-             reps: int, **open_kw: Any) -> dict[str, Any]:
+             reps: int, *, floor: bool = False, **open_kw: Any) -> dict[str, Any]:
     """Interleaved rounds of both sides, each on a fresh log; rates from summed work and
-    time, latencies pooled over the rounds."""
+    time, latencies pooled over the rounds. ``floor``: a third side in the rounds, the
+    bare writer of ``_floor`` (local disk only)."""
     out: dict[str, Any] = {"ours_s": [], "ref_s": [], "ours_lat": [], "ref_lat": [],
                            "commits": [], "ours_flush_s": [], "ref_flush_s": [],
                            "ours_cpu_user_s": 0.0, "ours_cpu_system_s": 0.0,
-                           "ours_roles_s": dict.fromkeys(ROLES, 0.0)}
+                           "ours_roles_s": dict.fromkeys(ROLES, 0.0),
+                           "floor_s": [], "floor_cpu_s": 0.0}
     for fn in (_grouped, _one_by_one):  # warm-up, untimed (first Arrow conversions)
         fn(_open(root(f"warm-{fn.__name__}"), **open_kw), 1)
+    if floor:
+        _floor(root("warm-floor"), 1)
     # As a latency-minded engine does once started (README "Recording from many
     # producers"): the objects its imports made are left out of every later full
     # collection, which would otherwise stop all 64 producers for 70 to 80 ms once or
@@ -187,8 +288,17 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     gc.freeze()
     try:
         for i in range(reps):
-            sides = [("ours", _grouped, per_ours), ("ref", _one_by_one, per_ref)]
-            for name, fn, per in sides[i % 2:] + sides[:i % 2]:
+            sides: list[tuple[str, Any, int]] = [("ours", _grouped, per_ours),
+                                                 ("ref", _one_by_one, per_ref)]
+            if floor:
+                sides.append(("floor", _floor, per_ours))
+            turn = i % len(sides)
+            for name, fn, per in sides[turn:] + sides[:turn]:
+                if name == "floor":
+                    d = fn(root(f"floor{i}"), per)
+                    out["floor_s"].append(d.wall)
+                    out["floor_cpu_s"] += d.user + d.system
+                    continue
                 log = _open(root(f"{name}{i}"), **open_kw)
                 d = fn(log, per)
                 t0 = time.perf_counter()
@@ -213,6 +323,9 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     out["system_us_per_record"] = out["ours_cpu_system_s"] / records * 1e6
     out["roles_us_per_record"] = {role: cpu / records * 1e6
                                   for role, cpu in out["ours_roles_s"].items()}
+    if floor:
+        out["floor"] = n * per_ours * reps / sum(out["floor_s"])
+        out["floor_cpu_us_per_record"] = out["floor_cpu_s"] / records * 1e6
     for side, per in (("ours", per_ours), ("ref", per_ref)):  # until promoted, too
         out[f"{side}_drained"] = n * per * reps / (sum(out[f"{side}_s"])
                                                   + sum(out[f"{side}_flush_s"]))
@@ -224,7 +337,7 @@ def _local(ctx: Ctx) -> dict[str, Any]:
         d = ctx.dir("group")
         per_ours, per_ref = (10, 2) if ctx.quick else (40, 6)
         ctx.cache["group_local"] = _compare(lambda name: str(d / name), per_ours,
-                                            per_ref, 3 if not ctx.quick else 2)
+                                            per_ref, 3 if not ctx.quick else 2, floor=True)
     return ctx.cache["group_local"]
 
 
@@ -257,6 +370,17 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
         f"of it allows {fmt_rate(2e6 / m['user_us_per_record'], 'events/s')}; all of it "
         f"on this machine's {cpus} cores at most "
         f"{fmt_rate(2e6 * cpus / whole, 'events/s')}")
+    floor = ""
+    extra: dict[str, Any] = {}
+    if "floor" in m:  # what the disk and the threads allow before any event (_floor)
+        floor = ("; the same producers handing only their bodies to a bare writer doing "
+                 "this format's file work and no event (a pack and a syncfs per window, a "
+                 "manifest linked, each body then its own file in blobs/): "
+                 f"{fmt_rate(m['floor'], 'events/s')} "
+                 f"({m['floor_cpu_us_per_record']:.0f} us CPU per record), "
+                 f"ours at {m['ours'] / m['floor']:.0%} of it")
+        extra = {"floor_events_per_s": m["floor"], "t_floor_s": m["floor_s"],
+                 "floor_cpu_us_per_record": m["floor_cpu_us_per_record"]}
     return _result(ctx, name, title, ours=m["ours"], reference=m["ref"],
                    ratio=ratio, unit="events/s", ref_unit="events/s",
                    ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
@@ -271,7 +395,7 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
                         f"{m['user_us_per_record']:.0f} us user + "
                         f"{m['system_us_per_record']:.0f} us system{ceiling}; by "
                         "thread (user + system): " + ", ".join(
-                            f"{role} {us:.0f} us" for role, us in roles.items()),
+                            f"{role} {us:.0f} us" for role, us in roles.items()) + floor,
                    details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
                             "t_ours_flush_s": m["ours_flush_s"],
                             "t_ref_flush_s": m["ref_flush_s"],
@@ -280,7 +404,7 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
                             "user_us_per_record": m["user_us_per_record"],
                             "system_us_per_record": m["system_us_per_record"],
                             "roles_us_per_record": roles,
-                            "records_per_commit": m["records_per_commit"]})
+                            "records_per_commit": m["records_per_commit"], **extra})
 
 
 def group_commit_p99(ctx: Ctx) -> Result:
@@ -402,12 +526,14 @@ def _start_moto() -> Any:
 
 
 @contextmanager
-def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
+def moto_s3(*, own_process: bool = False, pids: list[int] | None = None
+            ) -> Iterator[tuple[str, dict[str, Any]]]:
     """A moto S3 server on 127.0.0.1 with a bucket: yields (bucket URL, storage options).
 
     ``own_process`` serves it from a child process, as a real S3 is: in this process moto
     would share the GIL (and one core) with the writers it serves, and its own CPU (most
-    of a commit's, here) would be charged to whichever side makes more requests."""
+    of a commit's, here) would be charged to whichever side makes more requests. Its
+    process id is appended to ``pids`` (for ``_cpu_of``)."""
     import boto3
 
     child = None
@@ -422,6 +548,8 @@ def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]
             child.kill()
             raise RuntimeError("the moto server process did not start")
         host, port = "127.0.0.1", int(line)
+        if pids is not None:
+            pids.append(child.pid)
     else:
         wz = logging.getLogger("werkzeug")
         level = wz.level
@@ -450,6 +578,17 @@ def moto_s3(*, own_process: bool = False) -> Iterator[tuple[str, dict[str, Any]]
                 child.wait()
 
 
+def _cpu_of(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) a process has used so far, from
+    ``/proc/<pid>/stat``; None where there is no such file."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _moto_main() -> None:
     """The child of ``moto_s3(own_process=True)``: prints its port, serves until its
     standard input closes."""
@@ -475,10 +614,13 @@ def group_commit_s3(ctx: Ctx) -> Result:
 
 
 def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
-             producers: int) -> dict[str, float]:
+             producers: int, server: int | None = None) -> dict[str, float]:
     """``n`` processes released together, each committing ``records`` records (2 events
     + a 4 KB body): one by one (``producers=0``), or from that many threads through a
-    recorder. Total records/s, and lost publish races per publish."""
+    recorder. Total records/s, lost publish races per publish, and the writers' CPU per
+    record (each from its release to its end, every thread); with the pid of the server
+    process (moto), also its CPU per record over the same time
+    (``server_ms_per_record``)."""
     env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts) if opts else "")
     procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", root,
                                f"w{i}", str(records), str(producers)], env=env,
@@ -490,34 +632,42 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
             assert p.stdout is not None
             if p.stdout.readline() != b"ready\n":
                 raise RuntimeError(f"writer failed: {p.communicate()[1].decode()[-500:]}")
+        cpu0 = None if server is None else _cpu_of(server)
         t0 = time.perf_counter()
         for p in procs:
             assert p.stdin is not None
             p.stdin.write(b"go\n")
             p.stdin.flush()
         retries = publishes = 0
+        writers_cpu = 0.0
         for p in procs:
             out, err = p.communicate(timeout=900)
             if p.returncode:
                 raise RuntimeError(f"writer failed: {err.decode()[-500:]}")
-            r, c = out.split()[-2:]
+            r, c, cpu = out.split()[-3:]
             retries, publishes = retries + int(r), publishes + int(c)
+            writers_cpu += float(cpu)
         wall = time.perf_counter() - t0
+        cpu1 = None if server is None else _cpu_of(server)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return {"records_per_s": n * records / wall, "publishes_per_s": publishes / wall,
-            "retries_per_publish": retries / publishes, "wall_s": wall}
+    rates = {"records_per_s": n * records / wall, "publishes_per_s": publishes / wall,
+             "retries_per_publish": retries / publishes, "wall_s": wall,
+             "writers_ms_per_record": writers_cpu / (n * records) * 1e3}
+    if cpu0 is not None and cpu1 is not None:
+        rates["server_ms_per_record"] = (cpu1 - cpu0) / (n * records) * 1e3
+    return rates
 
 
 def _writer_table(ctx: Ctx, base: str, opts: dict[str, Any] | None, records: int,
-                  producers: int) -> dict[int, dict[str, float]]:
+                  producers: int, server: int | None = None) -> dict[int, dict[str, float]]:
     out = {}
     for n in (1, 8) if ctx.quick else WRITER_COUNTS:
         root = f"{base}/w{n}-{producers}"
         _open(root, storage_options=opts)  # created once, before the race
-        out[n] = _writers(root, opts, n, records, producers)
+        out[n] = _writers(root, opts, n, records, producers, server)
     return out
 
 
@@ -527,9 +677,10 @@ def s3_writers(ctx: Ctx) -> Result:
     on local disk (details and note). Total records/s and lost publish races per publish.
     The goal: N = 8 no slower in total than N = 1."""
     q = ctx.quick
-    with moto_s3(own_process=True) as (base, opts):
-        s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8)
-        s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0)
+    pids: list[int] = []
+    with moto_s3(own_process=True, pids=pids) as (base, opts):
+        s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8, pids[0])
+        s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0, pids[0])
     d = str(ctx.dir("writers"))  # local disk: full runs only (8 processes start slowly)
     local = {} if q else _writer_table(ctx, d, None, 160, 8)
     local_one = {} if q else _writer_table(ctx, d, None, 50, 0)
@@ -537,16 +688,33 @@ def s3_writers(ctx: Ctx) -> Result:
 
     def line(t: dict[int, dict[str, float]]) -> str:
         return ", ".join(f"N={n}: {v['records_per_s']:.0f}/s "
-                         f"({v['retries_per_publish']:.2f} retries)" for n, v in t.items())
+                         f"({v['retries_per_publish']:.2f} retries, "
+                         f"{v['records_per_s'] / v['publishes_per_s']:.1f} per publish)"
+                         for n, v in t.items())
+
+    # moto is one Python process: its CPU per record bounds what N writers can reach
+    # moto is one Python process, on the same cores as the writers: the CPU a record
+    # costs both bounds what N writers can reach on this machine
+    w1, w8 = s3[1]["writers_ms_per_record"], s3[8]["writers_ms_per_record"]
+    cpu = f"; the writers' CPU per record (all threads): N=1 {w1:.1f} ms, N=8 {w8:.1f} ms"
+    if all("server_ms_per_record" in s3[n] for n in (1, 8)):
+        ms1, ms8 = s3[1]["server_ms_per_record"], s3[8]["server_ms_per_record"]
+        cores = os.cpu_count() or 1
+        cpu += (f"; moto's (its own process): N=1 {ms1:.1f} ms, N=8 {ms8:.1f} ms; both "
+                f"together, N=8 at most {fmt_rate(cores * 1e3 / (w8 + ms8), 'records/s')} "
+                f"on this machine's {cores} cores, and at most "
+                f"{fmt_rate(1e3 / ms8, 'records/s')} on the one core moto's Python can use")
 
     return _result(ctx, "s3_writers", "S3 writers", ours=eight, reference=one,
                    ratio=eight / one, unit="records/s", ref_unit="records/s",
                    ours_text=f"N=8 {fmt_rate(eight, 'records/s')}",
                    reference_text=f"N=1 {fmt_rate(one, 'records/s')}",
                    ratio_text=fmt_ratio(eight / one),
-                   note=f"records/s (lost races per publish); S3 with a recorder per "
+                   note=f"records/s (lost races per publish, records per publish); "
+                        "S3 with a recorder per "
                         f"process: {line(s3)}; S3 one by one: {line(s3_one)}; local disk "
-                        f"with a recorder: {line(local)}; local one by one: {line(local_one)}",
+                        f"with a recorder: {line(local)}; local one by one: {line(local_one)}"
+                        + cpu,
                    details={"t_ours_s": [s3[8]["wall_s"]], "t_ref_s": [s3[1]["wall_s"]],
                             **{name: {str(k): v for k, v in t.items()} for name, t in
                                (("s3", s3), ("s3_one_by_one", s3_one), ("local", local),
@@ -555,7 +723,8 @@ def s3_writers(ctx: Ctx) -> Result:
 
 def _writer_main(root: str, who: str, records: int, producers: int) -> None:
     """One writer process of ``s3_writers``: prints ``ready``, waits for a line, commits,
-    prints its lost publish races and its publishes."""
+    prints its lost publish races, its publishes and the CPU seconds it spent since the
+    line came (every thread, promotion's too)."""
     so = os.environ.get("POIMEN_BENCH_STORAGE_OPTIONS")
     log = _open(root, storage_options=json.loads(so) if so else None, create=False)
     from datetime import UTC, datetime
@@ -569,6 +738,7 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     sys.stdin.readline()
+    cpu0 = time.process_time()
     if producers:
         with log.recorder(max_delay_ms=5) as rec:
             def producer(p: int) -> None:
@@ -590,7 +760,7 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
                 tx.extend(_attempt(f"{who}-{k}", ref))
         publishes = records
     log.flush()
-    sys.stdout.write(f"{log.publish_retries} {publishes}\n")
+    sys.stdout.write(f"{log.publish_retries} {publishes} {time.process_time() - cpu0:.6f}\n")
 
 
 if __name__ == "__main__":
