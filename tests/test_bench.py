@@ -10,14 +10,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from poimen_data.bench import _runner as _bench
-from poimen_data.bench._recorder import PRODUCERS, ROLES, _floor
+from poimen_data.bench._recorder import (
+    PRODUCERS,
+    ROLES,
+    SEGMENT_BYTES_PER_RECORD,
+    _BusyCores,
+    _floor,
+)
 from poimen_data.bench._runner import Result, run, run_cli, scenario_names, write_json
 
 RESULT_KEYS = {"name", "title", "status", "goal", "ours", "reference", "ratio", "unit",
@@ -57,18 +65,29 @@ def test_quick_bench_reports_every_scenario(quick_results: list[Result]) -> None
     assert all(roles[r] > 0 for r in ("producers", "gatherer", "committer", "writes"))
     assert 0.6 * (user + system) <= sum(roles.values()) <= 1.05 * (user + system) + 5, roles
     assert f"by thread (user + system): producers {roles['producers']:.0f} us" in group.note
-    # ... and the floor under it: the same producers, a bare writer, no events
+    # ... and the bare writer beside it: the same producers, no events
     floor = group.details["floor_events_per_s"]
-    assert math.isfinite(floor) and floor > 0
+    assert f"{group.details['floor_cpu_us_per_record']:.0f} us CPU per record" in group.note
     assert f"ours at {group.ours / floor:.0%} of it" in group.note
-    writers = quick_results[EXPECTED.index("s3_writers")]  # the CPU a record costs
-    w = {n: writers.details["s3"][n]["writers_ms_per_record"] for n in ("1", "8")}
-    assert all(math.isfinite(v) and v > 0 for v in w.values()), w
-    assert f"(all threads): N=1 {w['1']:.1f} ms, N=8 {w['8']:.1f} ms" in writers.note
-    if sys.platform.startswith("linux"):  # ... and moto's, in its own process
-        ms = {n: writers.details["s3"][n]["server_ms_per_record"] for n in ("1", "8")}
-        assert all(math.isfinite(v) and v > 0 for v in ms.values()), ms
-        assert f"(its own process): N=1 {ms['1']:.1f} ms, N=8 {ms['8']:.1f} ms" in writers.note
+    if sys.platform.startswith("linux"):  # the machine's busy cores, from /proc/stat
+        busy = group.details["ours_busy_cores"]
+        assert 0 < busy <= (os.cpu_count() or 1) + 0.05, busy
+        assert f"cores busy meanwhile: {busy:.2f} of" in group.note
+    writers = quick_results[EXPECTED.index("s3_writers")]  # commits/s, and the CPU spent
+    for n in ("1", "8"):
+        v = writers.details["s3"][n]
+        assert (f"N={n}: {v['records_per_s']:.0f} records/s in {v['publishes_per_s']:.1f} "
+                f"commits/s ({v['retries_per_publish']:.2f} lost races per commit)"
+                in writers.note)
+        cores = v["writers_ms_per_record"] * v["records_per_s"] / 1e3
+        text = (f"at N={n} the writers used {cores:.2f} cores "
+                f"({v['writers_ms_per_record']:.1f} ms of CPU per record), moto "
+                f"{v['server_ms_per_record'] * v['records_per_s'] / 1e3:.2f} "
+                f"({v['server_ms_per_record']:.1f} ms)")
+        assert text in writers.note, (text, writers.note)
+        assert v["server_ms_per_record"] > 0  # moto's own clock: it answered requests
+        if sys.platform.startswith("linux"):
+            assert f"the machine {v['busy_cores']:.2f} of" in writers.note
 
 
 @pytest.mark.slow
@@ -109,11 +128,28 @@ def test_run_cli_unknown_scenario_is_exit_code_2(capsys: pytest.CaptureFixture[s
     assert "no scenario" in capsys.readouterr().out
 
 
-def test_floor_writer_does_the_format_file_work(tmp_path: Path) -> None:
-    """The bare writer under ``group_commit`` (the floor the note compares with) really
-    writes what it claims: every body in its own file under ``blobs/`` with its own
-    bytes, the manifests in ``_log/`` naming them all (no temp file left), every pack and
-    staging area removed."""
+def test_floor_writer_does_the_format_file_work(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bare writer beside ``group_commit`` really does the file work it claims, through
+    the storage calls a log makes: per window a pack and a segment-sized file, made durable
+    (one syncfs, or an fsync each), the manifest put; each body then written to ``blobs/``
+    with its own bytes, durable again, the pack and its staging area removed."""
+    from poimen_data.storage import _local
+
+    calls: list[tuple[str, str]] = []
+
+    def counted(name: str, method: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+            calls.append((name, args[0] if args else ""))
+            return method(self, *args, **kw)
+        return wrapper
+
+    for name in ("write_new", "put_if_absent", "write", "delete", "delete_tree",
+                 "read_or_none"):
+        monkeypatch.setattr(_local.LocalStorage, name,
+                            counted(name, getattr(_local.LocalStorage, name)))
+    monkeypatch.setattr(_local.SyncFsBatch, "sync",
+                        counted("syncfs", _local.SyncFsBatch.sync))
     root = tmp_path / "floor"
     d = _floor(str(root), 2)
     assert d.wall > 0 and len(d.lat) == PRODUCERS * 2
@@ -124,8 +160,42 @@ def test_floor_writer_does_the_format_file_work(tmp_path: Path) -> None:
         assert len(data) == 4096 and hashlib.sha256(data).hexdigest() == b.name
         assert b.parent.name == b.name[:2]
     manifests = sorted(p.name for p in (root / "_log").iterdir())
-    assert manifests and all(n.endswith(".json") for n in manifests)
-    named = [sha for n in manifests
-             for sha in json.loads((root / "_log" / n).read_text())["blobs"]]
-    assert sorted(named) == [b.name for b in blobs]
+    seqs = list(range(1, len(manifests) + 1))
+    assert manifests == [f"{seq:020d}.json" for seq in seqs]
+    docs = [json.loads((root / "_log" / n).read_text()) for n in manifests]
+    assert sorted(sha for doc in docs for sha in doc["blobs"]) == [b.name for b in blobs]
+    for seq, doc in zip(seqs, docs, strict=True):  # a segment-sized file per window
+        segment = root / "segments" / f"{seq}.arrow"
+        assert segment.stat().st_size == SEGMENT_BYTES_PER_RECORD * len(doc["blobs"])
     assert list((root / "_staging").iterdir()) == []
+    by = {name: sorted(path for n, path in calls if n == name)
+          for name in ("write_new", "put_if_absent", "write", "delete", "delete_tree",
+                       "read_or_none")}
+    assert by["write_new"] == sorted([f"_staging/{seq}/bodies.pack" for seq in seqs]
+                                     + [f"segments/{seq}.arrow" for seq in seqs])
+    assert by["put_if_absent"] == [f"_log/{m}" for m in manifests]
+    assert by["write"] == sorted(f"blobs/acme/{b.name[:2]}/{b.name}" for b in blobs)
+    assert by["delete"] == sorted(f"_staging/{seq}/bodies.pack" for seq in seqs)
+    assert by["delete_tree"] == sorted(f"_staging/{seq}" for seq in seqs)
+    # after each window's promotion, its look for a next manifest (found for all but one)
+    assert by["read_or_none"] == sorted(f"_log/{seq + 1:020d}.json" for seq in seqs)
+    if _local._syncfs is not None:  # one for the window's files, one for its bodies
+        assert sum(n == "syncfs" for n, _path in calls) == 2 * len(seqs)
+
+
+def test_busy_cores_counts_at_least_this_process(tmp_path: Path) -> None:
+    """The machine's busy cores over a stretch in which this process spins on one core:
+    at least the share of it this process got (other processes only add), at most every
+    core; within a tick of 10 ms per core."""
+    busy = _BusyCores()
+    t0, c0 = time.perf_counter(), time.process_time()
+    while time.process_time() - c0 < 0.3:
+        pass
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    cores = busy.end()
+    if not Path("/proc/stat").exists():
+        assert cores is None
+        return
+    assert cores is not None
+    slack = 2 * 0.01 * (os.cpu_count() or 1) / wall
+    assert cpu / wall - slack <= cores <= (os.cpu_count() or 1) + slack, (cores, cpu, wall)

@@ -5,6 +5,7 @@ processes racing for one log. Run ``python -m poimen_data.bench._recorder`` as a
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -68,14 +69,45 @@ def _attempt(run_id: str, ref: Any) -> list[Any]:
 @dataclass
 class Driven:
     """What ``_drive`` measured: the wall time, every call's latency, this process's user
-    and system CPU seconds, and the CPU seconds (user + system) of each kind of thread
-    (``ROLES``), all from the release to the last call's end."""
+    and system CPU seconds, the CPU seconds (user + system) of each kind of thread
+    (``ROLES``), and the machine's busy cores on average (every process's, ``_BusyCores``;
+    None without ``/proc/stat``), all from the release to the last call's end."""
 
     wall: float
     lat: list[float]
     user: float
     system: float
     roles: dict[str, float]
+    busy_cores: float | None = None
+
+
+class _BusyCores:
+    """How many of the machine's cores were busy on average, every process counted, from
+    this reading to ``end()``: read from ``/proc/stat`` (ticks of 10 ms; None elsewhere).
+    What tells whether a side was short of CPU: its own CPU seconds alone cannot, on a
+    machine other jobs share."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        """(busy, all) ticks of every core since boot."""
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle, iowait
+        total = sum(ticks[:8])  # guest time is counted in user already
+        return total - idle, total
+
+    def end(self) -> float | None:
+        stop = self._read()
+        if self._start is None or stop is None or stop[1] == self._start[1]:
+            return None
+        busy, total = stop[0] - self._start[0], stop[1] - self._start[1]
+        return busy / total * (os.cpu_count() or 1)
 
 
 # The threads of this process by what they do, named by the prefix of their names: the
@@ -140,17 +172,19 @@ def _drive(per: int, one: Callable[[int, int, bytes], None]) -> Driven:
     for t in threads:
         t.start()
     barrier.wait()
-    c0, t0, cpu0 = os.times(), time.perf_counter(), _thread_cpu()
+    c0, t0, cpu0, busy = os.times(), time.perf_counter(), _thread_cpu(), _BusyCores()
     done.wait()
     try:
         wall, c1, cpu1 = time.perf_counter() - t0, os.times(), _thread_cpu()
+        busy_cores = busy.end()
     finally:
         read.set()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    return Driven(wall, lat, c1.user - c0.user, c1.system - c0.system, _by_role(cpu0, cpu1))
+    return Driven(wall, lat, c1.user - c0.user, c1.system - c0.system, _by_role(cpu0, cpu1),
+                  busy_cores)
 
 
 def _grouped(log: Any, per: int) -> Driven:
@@ -171,21 +205,31 @@ def _one_by_one(log: Any, per: int) -> Driven:
     return _drive(per, one)
 
 
+#: bytes of segment per record (2 events) in ``group_commit``, as measured: the size of
+#: the placeholder segment the bare writer of ``_floor`` writes per window
+SEGMENT_BYTES_PER_RECORD = 870
+#: how long a producer of ``_floor`` waits for its window at most: a bench never hangs
+FLOOR_WAIT_S = 300.0
+
+
 def _floor(root: str, per: int) -> Driven:
-    """The floor under ``group_commit`` on this machine: the same producers (each hashing
-    its body and waiting on a ``Future``) handing their bodies to a bare writer that does
-    only this format's file work, through the same storage calls as a log, and no event
-    at all. Per window (whatever came in while the last one was written): a pack of its
-    bodies and one ``syncfs``, a manifest put in ``_log/`` (``put_if_absent``: written,
-    fsynced, linked, its directory fsynced), the futures resolved; then, on a second
-    thread, each body written to ``blobs/`` as promotion writes it, one more ``syncfs``,
-    the pack and its staging area removed. Where there is no ``syncfs``, each file is
-    fsynced instead."""
+    """A bare writer under ``group_commit``: the same producers (each hashing its body and
+    waiting on a ``Future``) handing their bodies to a writer that does this format's file
+    work through the same storage calls as a log, one window at a time, and builds,
+    checks or encodes no event. Per window (whatever came in while the last one was
+    written): its pack and a segment-sized file of placeholder bytes, one ``syncfs``, the
+    manifest put in ``_log/`` (``put_if_absent``: written, fsynced, linked, its directory
+    fsynced), the futures resolved; then, on a second thread, each body written to
+    ``blobs/`` as promotion writes it, one more ``syncfs``, the probe for a next manifest
+    that promotion makes, the pack and its staging area removed. Where there is no
+    ``syncfs``, each file is fsynced instead. Not done: the window's delay (a window is
+    whatever waited), checkpoints (one per 100 commits)."""
     from poimen_data.log._manifest import blob_path, manifest_path
     from poimen_data.storage import open_storage
 
-    os.makedirs(root, exist_ok=True)  # as a log's root is, before any write
+    os.makedirs(root, exist_ok=True)  # as open_log makes a log's root, and then pins it
     storage = open_storage(root)
+    storage.pin_root()
     cv = threading.Condition()
     inbox: list[tuple[str, bytes, Future[int]]] = []
     stopped = False
@@ -204,45 +248,62 @@ def _floor(root: str, per: int) -> Driven:
             if batch is not None:
                 batch.close()
 
-    def promote(window: list[tuple[str, bytes, Future[int]]], pack: str) -> None:
+    def promote(seq: int, window: list[tuple[str, bytes, Future[int]]]) -> None:
         def copy_out(sync: bool) -> None:
             for sha, body, _fut in window:
                 storage.write(blob_path("acme", sha), body, durable=sync)
 
         durable(copy_out)
-        storage.delete(pack)
-        storage.delete_tree(os.path.dirname(pack))  # its staging area, empty now
+        storage.read_or_none(manifest_path(seq + 1))  # promotion's look for a reducer
+        storage.delete(f"_staging/{seq}/bodies.pack")
+        storage.delete_tree(f"_staging/{seq}")  # its staging area, empty now
 
     def publish(seq: int, window: list[tuple[str, bytes, Future[int]]]) -> None:
-        pack = f"_staging/{seq}/bodies.pack"
-        data = b"".join(body for _sha, body, _fut in window)
-        durable(lambda sync: storage.write_new(pack, data, sync=sync))
+        pack = b"".join(body for _sha, body, _fut in window)
+        segment = bytes(SEGMENT_BYTES_PER_RECORD * len(window))
+
+        def stage(sync: bool) -> None:
+            storage.write_new(f"_staging/{seq}/bodies.pack", pack, sync=sync)
+            storage.write_new(f"segments/{seq}.arrow", segment, sync=sync)
+
+        durable(stage)
         doc = {"seq": seq, "blobs": [sha for sha, _body, _fut in window]}
         if not storage.put_if_absent(manifest_path(seq), json.dumps(doc).encode()):
             raise RuntimeError(f"the floor's manifest {seq} was there already")
+        promotions.append(promoter.submit(promote, seq, window))
         for _sha, _body, fut in window:
             fut.set_result(seq)
-        promotions.append(promoter.submit(promote, window, pack))
 
     def writer() -> None:
+        """Publishes windows until stopped; whatever it cannot publish fails (no producer
+        is left waiting, whatever happens here)."""
         seq, failed = 0, None
-        while True:
-            with cv:
-                while not inbox and not stopped:
-                    cv.wait()
-                if not inbox:
-                    return
-                window = inbox[:]
-                inbox.clear()
-            seq += 1
-            try:
+        window: list[tuple[str, bytes, Future[int]]] = []
+        try:
+            while True:
+                with cv:
+                    while not inbox and not stopped:
+                        cv.wait()
+                    if not inbox:
+                        return
+                    window = inbox[:]
+                    inbox.clear()
+                seq += 1
                 if failed is None:
-                    publish(seq, window)
-            except BaseException as exc:  # noqa: BLE001 - its producers raise it
-                failed = exc
-            if failed is not None:
+                    try:
+                        publish(seq, window)
+                    except BaseException as exc:  # noqa: BLE001 - its producers raise it
+                        failed = exc
                 for _sha, _body, fut in window:
-                    fut.set_exception(failed)
+                    if not fut.done():
+                        fut.set_exception(failed or RuntimeError("not published"))
+        finally:
+            with cv:
+                left, window = window + inbox, []
+                inbox.clear()
+            for _sha, _body, fut in left:
+                if not fut.done():
+                    fut.set_exception(failed or RuntimeError("the floor's writer ended"))
 
     def one(p: int, k: int, body: bytes) -> None:
         fut: Future[int] = Future()
@@ -250,7 +311,7 @@ def _floor(root: str, per: int) -> Driven:
         with cv:
             inbox.append(item)
             cv.notify()
-        fut.result()
+        fut.result(timeout=FLOOR_WAIT_S)
 
     thread = threading.Thread(target=writer, name="bench-floor-writer", daemon=True)
     thread.start()
@@ -275,7 +336,9 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
                            "commits": [], "ours_flush_s": [], "ref_flush_s": [],
                            "ours_cpu_user_s": 0.0, "ours_cpu_system_s": 0.0,
                            "ours_roles_s": dict.fromkeys(ROLES, 0.0),
-                           "floor_s": [], "floor_cpu_s": 0.0}
+                           "floor_s": [], "floor_cpu_s": 0.0,
+                           # the machine's busy cores times seconds, while each side ran
+                           "ours_busy_s": 0.0, "floor_busy_s": 0.0, "busy_known": True}
     for fn in (_grouped, _one_by_one):  # warm-up, untimed (first Arrow conversions)
         fn(_open(root(f"warm-{fn.__name__}"), **open_kw), 1)
     if floor:
@@ -296,11 +359,18 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
             for name, fn, per in sides[turn:] + sides[:turn]:
                 if name == "floor":
                     d = fn(root(f"floor{i}"), per)
+                else:
+                    log = _open(root(f"{name}{i}"), **open_kw)
+                    d = fn(log, per)
+                if name != "ref":
+                    if d.busy_cores is None:
+                        out["busy_known"] = False
+                    else:
+                        out[f"{name}_busy_s"] += d.busy_cores * d.wall
+                if name == "floor":
                     out["floor_s"].append(d.wall)
                     out["floor_cpu_s"] += d.user + d.system
                     continue
-                log = _open(root(f"{name}{i}"), **open_kw)
-                d = fn(log, per)
                 t0 = time.perf_counter()
                 log.flush()  # promotion: off the commit's path, but it must keep up
                 out[f"{name}_flush_s"].append(time.perf_counter() - t0)
@@ -326,6 +396,9 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     if floor:
         out["floor"] = n * per_ours * reps / sum(out["floor_s"])
         out["floor_cpu_us_per_record"] = out["floor_cpu_s"] / records * 1e6
+    for side in ("ours", "floor") if floor else ("ours",):  # the machine's, on average
+        out[f"{side}_busy_cores"] = (out[f"{side}_busy_s"] / sum(out[f"{side}_s"])
+                                     if out["busy_known"] else None)
     for side, per in (("ours", per_ours), ("ref", per_ref)):  # until promoted, too
         out[f"{side}_drained"] = n * per * reps / (sum(out[f"{side}_s"])
                                                   + sum(out[f"{side}_flush_s"]))
@@ -370,17 +443,24 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
         f"of it allows {fmt_rate(2e6 / m['user_us_per_record'], 'events/s')}; all of it "
         f"on this machine's {cpus} cores at most "
         f"{fmt_rate(2e6 * cpus / whole, 'events/s')}")
-    floor = ""
-    extra: dict[str, Any] = {}
+    def busy(side: str) -> str:
+        cores = m[f"{side}_busy_cores"]
+        return "" if cores is None else f"; the machine's cores busy meanwhile: {cores:.2f}" \
+                                        f" of {cpus} (every process)"
+
+    floor_text = ""
+    extra: dict[str, Any] = {"ours_busy_cores": m["ours_busy_cores"]}
     if "floor" in m:  # what the disk and the threads allow before any event (_floor)
-        floor = ("; the same producers handing only their bodies to a bare writer doing "
-                 "this format's file work and no event (a pack and a syncfs per window, a "
-                 "manifest linked, each body then its own file in blobs/): "
-                 f"{fmt_rate(m['floor'], 'events/s')} "
-                 f"({m['floor_cpu_us_per_record']:.0f} us CPU per record), "
-                 f"ours at {m['ours'] / m['floor']:.0%} of it")
-        extra = {"floor_events_per_s": m["floor"], "t_floor_s": m["floor_s"],
-                 "floor_cpu_us_per_record": m["floor_cpu_us_per_record"]}
+        floor_text = (
+            "; the same producers handing only their bodies to a bare writer doing this "
+            "format's file work one window at a time, and no event (a pack and a "
+            "segment-sized file, a syncfs, a manifest put; each body then written to "
+            f"blobs/): {fmt_rate(m['floor'], 'events/s')} "
+            f"({m['floor_cpu_us_per_record']:.0f} us CPU per record{busy('floor')}), "
+            f"ours at {m['ours'] / m['floor']:.0%} of it")
+        extra |= {"floor_events_per_s": m["floor"], "t_floor_s": m["floor_s"],
+                  "floor_cpu_us_per_record": m["floor_cpu_us_per_record"],
+                  "floor_busy_cores": m["floor_busy_cores"]}
     return _result(ctx, name, title, ours=m["ours"], reference=m["ref"],
                    ratio=ratio, unit="events/s", ref_unit="events/s",
                    ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
@@ -395,7 +475,8 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
                         f"{m['user_us_per_record']:.0f} us user + "
                         f"{m['system_us_per_record']:.0f} us system{ceiling}; by "
                         "thread (user + system): " + ", ".join(
-                            f"{role} {us:.0f} us" for role, us in roles.items()) + floor,
+                            f"{role} {us:.0f} us" for role, us in roles.items())
+                        + busy("ours") + floor_text,
                    details={"t_ours_s": m["ours_s"], "t_ref_s": m["ref_s"],
                             "t_ours_flush_s": m["ours_flush_s"],
                             "t_ref_flush_s": m["ref_flush_s"],
@@ -526,14 +607,16 @@ def _start_moto() -> Any:
 
 
 @contextmanager
-def moto_s3(*, own_process: bool = False, pids: list[int] | None = None
+def moto_s3(*, own_process: bool = False,
+            clocks: list[Callable[[], float]] | None = None
             ) -> Iterator[tuple[str, dict[str, Any]]]:
     """A moto S3 server on 127.0.0.1 with a bucket: yields (bucket URL, storage options).
 
     ``own_process`` serves it from a child process, as a real S3 is: in this process moto
     would share the GIL (and one core) with the writers it serves, and its own CPU (most
-    of a commit's, here) would be charged to whichever side makes more requests. Its
-    process id is appended to ``pids`` (for ``_cpu_of``)."""
+    of a commit's, here) would be charged to whichever side makes more requests. A
+    function reading that process's CPU seconds so far (every thread's, from its own
+    clock) is appended to ``clocks``; call it from one thread at a time."""
     import boto3
 
     child = None
@@ -548,8 +631,8 @@ def moto_s3(*, own_process: bool = False, pids: list[int] | None = None
             child.kill()
             raise RuntimeError("the moto server process did not start")
         host, port = "127.0.0.1", int(line)
-        if pids is not None:
-            pids.append(child.pid)
+        if clocks is not None:
+            clocks.append(functools.partial(_ask_cpu, child))
     else:
         wz = logging.getLogger("werkzeug")
         level = wz.level
@@ -578,24 +661,25 @@ def moto_s3(*, own_process: bool = False, pids: list[int] | None = None
                 child.wait()
 
 
-def _cpu_of(pid: int) -> float | None:
-    """CPU seconds (user + system, every thread) a process has used so far, from
-    ``/proc/<pid>/stat``; None where there is no such file."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+def _ask_cpu(child: subprocess.Popen[bytes]) -> float:
+    """The CPU seconds the moto child has used so far (see ``_moto_main``)."""
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(b"cpu\n")
+    child.stdin.flush()
+    return float(child.stdout.readline())
 
 
 def _moto_main() -> None:
     """The child of ``moto_s3(own_process=True)``: prints its port, serves until its
-    standard input closes."""
+    standard input closes; for each line ``cpu`` on it, prints the CPU seconds it has
+    used so far (``time.process_time``: every thread, ended ones too)."""
     server = _start_moto()
     sys.stdout.write(f"{server.get_host_and_port()[1]}\n")
     sys.stdout.flush()
-    sys.stdin.read()
+    for line in sys.stdin:
+        if line.strip() == "cpu":
+            sys.stdout.write(f"{time.process_time():.9f}\n")
+            sys.stdout.flush()
     server.stop()
 
 
@@ -614,13 +698,14 @@ def group_commit_s3(ctx: Ctx) -> Result:
 
 
 def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
-             producers: int, server: int | None = None) -> dict[str, float]:
+             producers: int, server: Callable[[], float] | None = None
+             ) -> dict[str, float]:
     """``n`` processes released together, each committing ``records`` records (2 events
     + a 4 KB body): one by one (``producers=0``), or from that many threads through a
-    recorder. Total records/s, lost publish races per publish, and the writers' CPU per
-    record (each from its release to its end, every thread); with the pid of the server
-    process (moto), also its CPU per record over the same time
-    (``server_ms_per_record``)."""
+    recorder. Total records/s, lost publish races per publish, the writers' CPU per
+    record (each from its release to its end, every thread) and the machine's busy cores
+    (every process, ``busy_cores``) over the run; with ``server``, the moto child's clock
+    (see ``moto_s3``), its CPU per record too (``server_ms_per_record``)."""
     env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts) if opts else "")
     procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", root,
                                f"w{i}", str(records), str(producers)], env=env,
@@ -632,8 +717,8 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
             assert p.stdout is not None
             if p.stdout.readline() != b"ready\n":
                 raise RuntimeError(f"writer failed: {p.communicate()[1].decode()[-500:]}")
-        cpu0 = None if server is None else _cpu_of(server)
-        t0 = time.perf_counter()
+        cpu0 = None if server is None else server()
+        t0, busy = time.perf_counter(), _BusyCores()
         for p in procs:
             assert p.stdin is not None
             p.stdin.write(b"go\n")
@@ -647,8 +732,8 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
             r, c, cpu = out.split()[-3:]
             retries, publishes = retries + int(r), publishes + int(c)
             writers_cpu += float(cpu)
-        wall = time.perf_counter() - t0
-        cpu1 = None if server is None else _cpu_of(server)
+        wall, busy_cores = time.perf_counter() - t0, busy.end()
+        cpu1 = None if server is None else server()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -656,13 +741,16 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
     rates = {"records_per_s": n * records / wall, "publishes_per_s": publishes / wall,
              "retries_per_publish": retries / publishes, "wall_s": wall,
              "writers_ms_per_record": writers_cpu / (n * records) * 1e3}
+    if busy_cores is not None:
+        rates["busy_cores"] = busy_cores
     if cpu0 is not None and cpu1 is not None:
         rates["server_ms_per_record"] = (cpu1 - cpu0) / (n * records) * 1e3
     return rates
 
 
 def _writer_table(ctx: Ctx, base: str, opts: dict[str, Any] | None, records: int,
-                  producers: int, server: int | None = None) -> dict[int, dict[str, float]]:
+                  producers: int, server: Callable[[], float] | None = None
+                  ) -> dict[int, dict[str, float]]:
     out = {}
     for n in (1, 8) if ctx.quick else WRITER_COUNTS:
         root = f"{base}/w{n}-{producers}"
@@ -674,44 +762,45 @@ def _writer_table(ctx: Ctx, base: str, opts: dict[str, Any] | None, records: int
 def s3_writers(ctx: Ctx) -> Result:
     """N = 1, 2, 4, 8 processes writing one log in S3 (moto): each commits its records
     through a recorder fed by 8 threads (ours), and one by one (in the note); then the same
-    on local disk (details and note). Total records/s and lost publish races per publish.
-    The goal: N = 8 no slower in total than N = 1."""
+    on local disk (details and note). Total records/s, commits/s and lost publish races
+    per commit; for S3 with a recorder, the cores the writers, moto and the whole machine
+    kept busy at N = 1 and N = 8. The goal: N = 8 no slower in total than N = 1."""
     q = ctx.quick
-    pids: list[int] = []
-    with moto_s3(own_process=True, pids=pids) as (base, opts):
-        s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8, pids[0])
-        s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0, pids[0])
+    clocks: list[Callable[[], float]] = []
+    with moto_s3(own_process=True, clocks=clocks) as (base, opts):
+        s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8, clocks[0])
+        s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0, clocks[0])
     d = str(ctx.dir("writers"))  # local disk: full runs only (8 processes start slowly)
     local = {} if q else _writer_table(ctx, d, None, 160, 8)
     local_one = {} if q else _writer_table(ctx, d, None, 50, 0)
     one, eight = s3[1]["records_per_s"], s3[8]["records_per_s"]
 
     def line(t: dict[int, dict[str, float]]) -> str:
-        return ", ".join(f"N={n}: {v['records_per_s']:.0f}/s "
-                         f"({v['retries_per_publish']:.2f} retries, "
-                         f"{v['records_per_s'] / v['publishes_per_s']:.1f} per publish)"
+        return ", ".join(f"N={n}: {v['records_per_s']:.0f} records/s in "
+                         f"{v['publishes_per_s']:.1f} commits/s "
+                         f"({v['retries_per_publish']:.2f} lost races per commit)"
                          for n, v in t.items())
 
-    # moto is one Python process: its CPU per record bounds what N writers can reach
-    # moto is one Python process, on the same cores as the writers: the CPU a record
-    # costs both bounds what N writers can reach on this machine
-    w1, w8 = s3[1]["writers_ms_per_record"], s3[8]["writers_ms_per_record"]
-    cpu = f"; the writers' CPU per record (all threads): N=1 {w1:.1f} ms, N=8 {w8:.1f} ms"
-    if all("server_ms_per_record" in s3[n] for n in (1, 8)):
-        ms1, ms8 = s3[1]["server_ms_per_record"], s3[8]["server_ms_per_record"]
-        cores = os.cpu_count() or 1
-        cpu += (f"; moto's (its own process): N=1 {ms1:.1f} ms, N=8 {ms8:.1f} ms; both "
-                f"together, N=8 at most {fmt_rate(cores * 1e3 / (w8 + ms8), 'records/s')} "
-                f"on this machine's {cores} cores, and at most "
-                f"{fmt_rate(1e3 / ms8, 'records/s')} on the one core moto's Python can use")
-
+    # what N = 1 and N = 8 spent, in cores: short of CPU, or waiting? (moto is one Python
+    # process, on the same cores as the writers)
+    cpu = ""
+    for n in (1, 8):
+        v = s3[n]
+        rate = v["records_per_s"] / 1e3
+        cpu += (f"; {'on S3 with a recorder, ' if n == 1 else ''}at N={n} the writers "
+                f"used {v['writers_ms_per_record'] * rate:.2f} cores "
+                f"({v['writers_ms_per_record']:.1f} ms of CPU per record)")
+        if "server_ms_per_record" in v:
+            cpu += (f", moto {v['server_ms_per_record'] * rate:.2f} "
+                    f"({v['server_ms_per_record']:.1f} ms)")
+        if "busy_cores" in v:
+            cpu += f", the machine {v['busy_cores']:.2f} of {os.cpu_count() or 1} busy"
     return _result(ctx, "s3_writers", "S3 writers", ours=eight, reference=one,
                    ratio=eight / one, unit="records/s", ref_unit="records/s",
                    ours_text=f"N=8 {fmt_rate(eight, 'records/s')}",
                    reference_text=f"N=1 {fmt_rate(one, 'records/s')}",
                    ratio_text=fmt_ratio(eight / one),
-                   note=f"records/s (lost races per publish, records per publish); "
-                        "S3 with a recorder per "
+                   note=f"S3 with a recorder per "
                         f"process: {line(s3)}; S3 one by one: {line(s3_one)}; local disk "
                         f"with a recorder: {line(local)}; local one by one: {line(local_one)}"
                         + cpu,

@@ -229,7 +229,7 @@ class Recorder:
     table and the commit: about 10 ms for 64. The kernel's part is thread switches, futex
     hand-offs and creating each body's file in ``blobs/`` at promotion (about 100 us of
     CPU per record in all; ext4 without a journal adds 20 to 500 us per new inode,
-    scanning past inodes freed in the last 60 to 300 s). At 2 events per record that caps a
+    scanning past inodes freed in the last 60 to 360 s). At 2 events per record that caps a
     2-core machine at about 10 to 12 thousand events per second, short of 20,000.
     """
 
