@@ -183,10 +183,12 @@ def test_floor_writer_does_the_format_file_work(tmp_path: Path,
         assert sum(n == "syncfs" for n, _path in calls) == 2 * len(seqs)
 
 
-def test_busy_cores_counts_at_least_this_process(tmp_path: Path) -> None:
+def test_busy_cores_counts_at_least_this_process() -> None:
     """The machine's busy cores over a stretch in which this process spins on one core:
-    at least the share of it this process got (other processes only add), at most every
-    core; within a tick of 10 ms per core."""
+    at least the share of a core it got (other processes only add), at most every core.
+    ``/proc/stat`` is sampled at each 10 ms tick: the lower bound is halved, so that
+    sampling (a spin preempted often on a loaded machine) cannot fail it by chance, while
+    a reading of nothing, or of the wrong columns, still does."""
     busy = _BusyCores()
     t0, c0 = time.perf_counter(), time.process_time()
     while time.process_time() - c0 < 0.3:
@@ -197,5 +199,4 @@ def test_busy_cores_counts_at_least_this_process(tmp_path: Path) -> None:
         assert cores is None
         return
     assert cores is not None
-    slack = 2 * 0.01 * (os.cpu_count() or 1) / wall
-    assert cpu / wall - slack <= cores <= (os.cpu_count() or 1) + slack, (cores, cpu, wall)
+    assert 0.5 * cpu / wall <= cores <= (os.cpu_count() or 1), (cores, cpu, wall)

@@ -443,6 +443,7 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
         f"of it allows {fmt_rate(2e6 / m['user_us_per_record'], 'events/s')}; all of it "
         f"on this machine's {cpus} cores at most "
         f"{fmt_rate(2e6 * cpus / whole, 'events/s')}")
+
     def busy(side: str) -> str:
         cores = m[f"{side}_busy_cores"]
         return "" if cores is None else f"; the machine's cores busy meanwhile: {cores:.2f}" \
