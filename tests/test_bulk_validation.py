@@ -251,3 +251,58 @@ def test_events_to_table_puts_each_event_in_its_own_row(picks: list[tuple[int, b
     want = [e if e.ts is not None else dataclasses.replace(e, ts=s)
             for e, s in zip(evs, stamps, strict=True)]
     assert [ev.event_from_row(r) for r in table.to_pylist()] == want
+
+
+def _probes_of_a_commit(tmp_path: Any, name: str, fill: Callable[[Any, ev.BlobRef], None]
+                        ) -> int:
+    """Storage probes (``size`` and ``exists``) one commit makes, whose events point at a
+    body committed (and promoted) before, added by ``fill(tx, ref)``."""
+    from poimen_data.log import open_log
+
+    log = open_log(tmp_path / name)
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"a committed prompt")
+    log.flush()
+    before = log.storage.calls["size"] + log.storage.calls["exists"]
+    with log.transaction() as tx:
+        fill(tx, ref)
+    return log.storage.calls["size"] + log.storage.calls["exists"] - before
+
+
+def _dispatched(run: str, ref: ev.BlobRef) -> ev.AttemptDispatched:
+    return ev.AttemptDispatched("acme", run, 0, "s", 0, 1, prompt=ref,
+                                ts=datetime(2026, 1, 1, tzinfo=UTC))
+
+
+def test_a_body_many_tables_point_at_is_looked_up_once(tmp_path: Any) -> None:
+    """The commit checks each body its events point at once, however many bulk tables
+    (or events given one by one) point at it: one lookup in storage, not one per table."""
+    def tables(k: int) -> Callable[[Any, ev.BlobRef], None]:
+        def fill(tx: Any, ref: ev.BlobRef) -> None:
+            tx.append(_dispatched("one-by-one", ref))
+            for i in range(k):
+                e = _dispatched(f"bulk-{i}", ref)
+                tx.extend(ev.events_to_table([e], [e.ts]))
+        return fill
+
+    one = _probes_of_a_commit(tmp_path, "one", tables(1))
+    assert one >= 1  # the body was looked up
+    assert _probes_of_a_commit(tmp_path, "five", tables(5)) == one
+
+
+def test_one_subclass_ref_many_events_point_at_is_looked_up_once(tmp_path: Any) -> None:
+    """A ref of a BlobRef subclass is never compared by its own ``__eq__``, and one such
+    object that many events point at is still looked up once at commit."""
+    @dataclasses.dataclass(frozen=True)
+    class MyRef(ev.BlobRef):
+        pass
+
+    def events(k: int) -> Callable[[Any, ev.BlobRef], None]:
+        def fill(tx: Any, ref: ev.BlobRef) -> None:
+            mine = MyRef(ref.tenant, ref.sha256, ref.size)
+            tx.extend([_dispatched(f"r{i}", mine) for i in range(k)])
+        return fill
+
+    one = _probes_of_a_commit(tmp_path, "one", events(1))
+    assert one >= 1
+    assert _probes_of_a_commit(tmp_path, "fifty", events(50)) == one

@@ -177,7 +177,9 @@ class _Record:
     events: tuple[ev.Event, ...]
     bodies: dict[BlobKey, bytes]
     nbytes: int
-    refs: frozenset[ev.BlobRef]  # every ref its events point at (checked by _check)
+    # every ref its events point at (checked by _check): each plain one once, every
+    # other object once (``ev.Checked``: no equality of theirs is asked)
+    refs: tuple[ev.BlobRef, ...]
     future: Future[CommitInfo]
     at: float = 0.0  # when it was handed over to the gatherer (_let_in)
     room: Future[None] | None = None  # while it waits for room: resolved when let in
@@ -198,7 +200,7 @@ class _Window:
     events: list[ev.Event] = field(default_factory=list)
     stamps: list[datetime] = field(default_factory=list)
     keys: list[BlobKey] = field(default_factory=list)
-    refs: set[ev.BlobRef] = field(default_factory=set)  # every ref its events point at
+    refs: list[ev.BlobRef] = field(default_factory=list)  # its records' refs
     poisoned: bool = False  # building the transaction failed: commit record by record
 
 
@@ -455,7 +457,7 @@ class Recorder:
 
     def _check(self, events: Iterable[ev.Event], blobs: Mapping[ev.BlobRef, bytes] | None
                ) -> tuple[tuple[ev.Event, ...], dict[BlobKey, bytes], int,
-                          frozenset[ev.BlobRef]]:
+                          tuple[ev.BlobRef, ...]]:
         """What a transaction would reject whole, checked for this record alone."""
         if isinstance(events, ev.Event):
             raise ValidationError("record: events must be a sequence of events, not one")
@@ -476,10 +478,8 @@ class Recorder:
                 raise ValidationError(f"record: body given for ref {ref.sha256[:12]}… does "
                                       "not match its sha256 and size")
             bodies[(ref.tenant, ref.sha256)] = data
-        refs = set()
         for i, e in enumerate(evs):
             for name, ref in ev.event_refs(e):
-                refs.add(ref)
                 body = bodies.get((ref.tenant, ref.sha256))
                 if body is not None and len(body) == ref.size:
                     continue
@@ -489,7 +489,7 @@ class Recorder:
                     f"event {i} ({e.kind}): field {name!r}: ref {ref.sha256[:12]}… of "
                     f"tenant {ref.tenant!r} has no committed body of that size (pass the "
                     "body in blobs=)")
-        return evs, bodies, sum(len(b) for b in bodies.values()), frozenset(refs)
+        return evs, bodies, sum(len(b) for b in bodies.values()), tuple(seen.all_refs())
 
     # -- draining --------------------------------------------------------------------
 
@@ -656,7 +656,7 @@ class Recorder:
             return
         now = datetime.now(UTC)
         win.events += rec.events
-        win.refs.update(rec.refs)
+        win.refs += rec.refs
         win.stamps += [now if e.ts is None else e.ts for e in rec.events]
         try:
             for key, data in rec.bodies.items():
@@ -823,8 +823,8 @@ class Recorder:
             for _ in range(RECOMMITS):
                 try:
                     with self.log.transaction() as tx:
-                        for (tenant, _sha), data in rec.bodies.items():
-                            tx.put_blob(tenant, data)
+                        for (tenant, sha), data in rec.bodies.items():
+                            tx.put_checked(tenant, sha, data)  # hashed by _check
                         tx.extend(rec.events)
                 except CommitUnknown as exc:
                     outcome = self._settle(exc)

@@ -110,7 +110,7 @@ class Transaction:
         self._done = False
         self._n_table_rows = 0
         self._segment_written = False
-        self._seen_refs = ev.Checked()  # what validation checked: refs, usages, ids
+        self._seen_refs = ev.Checked()  # what validation checked: refs, ids
         self._bulk: list[pa.Table] = []  # tables given to extend (their refs are unchecked)
         self._checks: list[Future[None]] = []  # checks of big tables still running
         self._io: list[Future[Any]] = []  # staged bodies and segment being written
@@ -337,9 +337,10 @@ class Transaction:
         its size."""
         mine = {k: e.size for k, e in self._staged.items()}
         mine.update((k, len(data)) for k, data in self._reused.items())
-        refs = itertools.chain(self._seen_refs.all_refs(),  # subclasses too
-                               *(table_refs(t) for t in self._bulk))
-        for ref in refs:
+        plain = set(self._seen_refs.refs)  # each body looked up once, however many
+        for t in self._bulk:                # events and tables point at it
+            plain |= table_refs(t)  # built from Arrow's rows: exact types all through
+        for ref in itertools.chain(plain, self._seen_refs.other_refs.values()):
             size = mine.get((ref.tenant, ref.sha256))
             if size is not None:
                 problem = None if ref.size == size else \

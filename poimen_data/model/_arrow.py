@@ -109,7 +109,8 @@ _ABSENT = _Absent()
 # which of the schema's columns each class has, and one getter per column: a column is
 # then one C-level map of its ``attrgetter`` over the events that have it (reading each
 # event as a tuple of all its fields and transposing costs 3x more, and makes garbage)
-_FIELDS = {c: frozenset(f.name for f in fields(c)) for c in EVENT_CLASSES.values()}
+_FIELDS = {c: frozenset(f.name for f in fields(c)) | {"kind"}  # kind: a class attribute
+           for c in EVENT_CLASSES.values()}
 _GET = {f.name: attrgetter(f.name) for f in EVENT_SCHEMA}
 _TS = attrgetter("ts")
 
@@ -150,16 +151,6 @@ def events_to_table(events: Sequence[Event], stamps: Sequence[datetime]) -> pa.T
         if name == "ts":
             values: Sequence[Any] = [s if t is None else t
                                      for t, s in zip(map(_TS, events), stamps, strict=True)]
-            arrays.append(pa.array(values, f.type))
-            continue
-        if name == "kind":
-            if len(classes) == 1:
-                values = [classes[0].kind] * n
-            else:
-                kinds = np.empty(n, dtype=object)
-                for c, idx in rows.items():
-                    kinds[idx] = c.kind
-                values = kinds.tolist()
             arrays.append(pa.array(values, f.type))
             continue
         having = [c for c in classes if name in _FIELDS[c]]

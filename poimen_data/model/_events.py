@@ -360,24 +360,26 @@ bad_field = _bad
 
 class Checked:
     """What ``validate_event`` checked already, kept by its caller across calls (a
-    transaction, a recorder's record): ids, refs and usages, each of exact types all
-    through, in a set of its own, so a lookup compares two values of those very types and
-    never asks an object of another type or a subclass (whose ``__eq__`` could answer yes
-    to anything, or a bool that equals 1); and every other ref, never looked up, kept for
-    the commit's check that every body pointed at exists."""
+    transaction, a recorder's record): ids and refs, each of exact types all through, in a
+    set of its own, so a lookup compares two values of those very types and never asks an
+    object of another type or a subclass (whose ``__eq__`` could answer yes to anything,
+    or a bool that equals 1); and every other ref, never looked up, kept for the commit's
+    check that every body pointed at exists. Usages are not kept: they differ from one
+    attempt to the next, and a lookup cost more than the check it saved."""
 
-    __slots__ = ("ids", "refs", "usages", "other_refs")
+    __slots__ = ("ids", "refs", "other_refs")
 
     def __init__(self) -> None:
         self.ids: set[str] = set()  # strs that matched RUN_ID_RE
         self.refs: set[BlobRef] = set()  # of exact types all through (_plain_ref)
-        self.usages: set[Usage] = set()  # the same (_plain_usage)
-        self.other_refs: list[BlobRef] = []  # a list: no equality of theirs is asked
+        # by identity: no equality of theirs is asked, and one object used by many
+        # events is checked once
+        self.other_refs: dict[int, BlobRef] = {}
 
     def all_refs(self) -> Iterator[BlobRef]:
-        """Every ref checked, each plain one once, every other as often as it came."""
+        """Every ref checked: each plain one once, every other object once."""
         yield from self.refs
-        yield from self.other_refs
+        yield from self.other_refs.values()
 
     def add_refs(self, refs: Iterable[BlobRef]) -> None:
         """Refs checked elsewhere (a recorder's records)."""
@@ -385,7 +387,7 @@ class Checked:
             if _plain_ref(r):
                 self.refs.add(r)
             else:
-                self.other_refs.append(r)
+                self.other_refs[id(r)] = r
 
 
 def _plain_ref(ref: Any) -> bool:
@@ -393,26 +395,6 @@ def _plain_ref(ref: Any) -> bool:
     bool size equal to 1 or a str subclass would compare equal to a ref checked before)."""
     return type(ref) is BlobRef and type(ref.tenant) is str and type(ref.sha256) is str \
         and type(ref.size) is int
-
-
-def _plain_usage(u: Any) -> bool:
-    """A usage of exact types all through (see ``_plain_ref``)."""
-    return type(u) is Usage and all(type(getattr(u, n)) in _PLAIN_INT for n, _ in _USAGE_INTS) \
-        and type(u.cost_usd) in _PLAIN_COST and type(u.latency_ms) in _PLAIN_NUMBER
-
-
-def _cached(cache: set[Any], v: Any) -> bool:
-    """Whether ``v`` was checked already; one that does not hash (a signalling NaN cost)
-    never was, and its own check names the field at fault."""
-    try:
-        return v in cache
-    except TypeError:
-        return False
-
-
-_PLAIN_INT = (int, type(None))
-_PLAIN_COST = (Decimal, int, type(None))
-_PLAIN_NUMBER = (float, int, type(None))
 
 
 def _check_ref_cached(ref: Any, name: str, seen: Checked | None) -> None:
@@ -424,7 +406,7 @@ def _check_ref_cached(ref: Any, name: str, seen: Checked | None) -> None:
         if plain:
             seen.refs.add(ref)
         else:
-            seen.other_refs.append(ref)
+            seen.other_refs[id(ref)] = ref
 
 
 def _check_int(where: str, name: str, v: Any, minimum: int) -> None:
@@ -505,16 +487,13 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
     tenant = e.tenant
     if type(tenant) is not str or ids is None or tenant not in ids \
             or len(tenant) > _TENANT_MAX:
-        if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
-            raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {tenant!r}")
+        check_tenant(tenant, where)
         if ids is not None and type(tenant) is str:
             ids.add(tenant)
     if kind != "blob_reduced":
         run_id = e.run_id
         if type(run_id) is not str or ids is None or run_id not in ids:
-            if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
-                raise _bad(where, "run_id",
-                           f"must match {RUN_ID_RE.pattern}, got {run_id!r}")
+            check_run_id(run_id, where)
             if ids is not None and type(run_id) is str:
                 ids.add(run_id)
     ts = e.ts
@@ -554,13 +533,8 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
                 if e.output.tenant != tenant:
                     raise _bad(where, "output", "belongs to another tenant than the event",
                            TenantMismatch)
-            usage = e.usage
-            if usage is not None:
-                cache = seen.usages if seen is not None and _plain_usage(usage) else None
-                if cache is None or not _cached(cache, usage):
-                    _check_usage(where, usage)
-                    if cache is not None:
-                        cache.add(usage)
+            if e.usage is not None:  # checked each time, as a context is
+                _check_usage(where, e.usage)
             if e.tools is not None:
                 if not isinstance(e.tools, ToolInfo):
                     raise _bad(where, "tools", "must be a ToolInfo")

@@ -62,19 +62,23 @@ def int_problem(v: Any, minimum: int) -> str | None:
     return None
 
 
+def _own_value(v: int | float) -> int | float:
+    """A number's own value: a subclass's ``__float__`` or ``__int__`` is never asked
+    (validation would not see what it answers)."""
+    return float.__float__(v) if isinstance(v, float) else int.__int__(v)
+
+
 def stored_double(v: int | float) -> float:
     """The double a number ``number_problem`` passed is stored as: a float's own value, an
-    int's own value as a double. A subclass's ``__float__`` is never asked (validation
-    does not see what it answers)."""
-    return float.__float__(v) if isinstance(v, float) else float(int.__int__(v))
+    int's own value as a double."""
+    return float(_own_value(v))
 
 
 def number_problem(v: Any, *, minimum: float | None = None) -> str | None:
     """Why ``v`` cannot be stored exactly as a finite double (None when it can)."""
     if isinstance(v, bool) or not isinstance(v, int | float):
         return f"must be a number, got {type(v).__name__}"
-    # the value itself, as ``stored_double`` stores it, not what a subclass answers
-    v = float.__float__(v) if isinstance(v, float) else int.__int__(v)
+    v = _own_value(v)  # as ``stored_double`` stores it, not what a subclass answers
     if isinstance(v, float):
         if not math.isfinite(v):
             return f"must be a finite double, got {v!r}"
