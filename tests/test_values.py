@@ -524,7 +524,7 @@ class _SlyRef(BlobRef):
 
 
 def test_a_value_equal_to_one_checked_before_is_still_checked() -> None:
-    """Validation caches what it checked (refs, usages, ids) per transaction or record;
+    """Validation caches what it checked (refs, ids) per transaction or record;
     a value of another type that equals a cached one is checked all the same: a str as
     ``usage`` equal to the event's run_id, a ref as ``usage`` equal to its ``output``, and
     a lying ref subclass (remembered for the commit's body check) beside a bad tenant."""
