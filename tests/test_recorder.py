@@ -937,3 +937,69 @@ def test_a_window_resolves_before_its_commit_checkpoints(tmp_path: Path) -> None
         rec.close()
     assert log.storage.exists(checkpoint_path(2))
     assert [pdm.open_log(str(tmp_path / "log")).blobs.get(r) for r in refs] == bodies
+
+
+_DEAD_WRITER = """
+import json, os, sys
+import poimen_data as pdm
+from poimen_data import events as E
+so = os.environ.get("POIMEN_TEST_STORAGE_OPTIONS")
+log = pdm.open_log(sys.argv[1], storage_options=json.loads(so) if so else None)
+with log.transaction() as tx:
+    tx.pack_bodies = True
+    refs = [tx.put_blob("acme", b"a body lost with its pack %d " % i * 40) for i in range(3)]
+    tx.extend([E.AttemptDispatched("acme", "lost", 0, "s", 0, i + 1, prompt=r)
+               for i, r in enumerate(refs)])
+"""
+
+
+def test_a_checkpoint_looks_once_per_pack_another_writer_promoted(
+        proc_root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint drops the staging locations of the commits it covers, so it promotes
+    other processes' commits too; their writers promoted nearly all of them already. Per
+    staged file found gone it looks for one body in blobs/, not for each (on S3 a request
+    per body of every other writer, hundreds of seconds of requests at a busy log's
+    checkpoint), and for each body only where that one is missing: a pack removed before
+    its promotion (a writer killed after its publish, its pack then deleted by hand) has
+    every body recorded lost."""
+    from poimen_data.log._staged import staged_file
+
+    a = proc_root.open()
+    b = proc_root.open()  # another writer, with a state of its own
+    with b.recorder(max_delay_ms=NEVER) as rec:
+        for w in range(3):
+            futs = []
+            for i in range(5):
+                body = f"body {w}-{i} ".encode() * 100
+                ref = rec.ref("acme", body)
+                futs.append(rec.record([E.AttemptDispatched("acme", f"b{w}", 0, "s", 0, i + 1,
+                                                            prompt=ref)], blobs={ref: body}))
+            rec.flush()
+            assert {f.result(timeout=0).seq for f in futs} == {w + 1}
+    b.flush()  # its own writer promoted every body: the packs are gone
+    assert list(b.storage.walk_files("_staging")) == []
+    dead = subprocess.run([sys.executable, "-c", _DEAD_WRITER, proc_root.url],
+                          env=_env(proc_root, "manifest_published"), capture_output=True,
+                          timeout=120)
+    assert dead.returncode == 137, dead.stderr.decode()[-2000:]
+    m = a.read_manifest(4)
+    packs = {staged_file(x.staged) for x in m.blobs if x.staged}
+    assert len(packs) == 1 and len(m.blobs) == 3
+    assert a.storage.delete(packs.pop())
+    looked: list[str] = []
+    exists = a.storage.exists
+
+    def counted(rel: str) -> bool:
+        looked.append(rel.split("/")[0])
+        return exists(rel)
+
+    monkeypatch.setattr(a.storage, "exists", counted)
+    assert a.write_checkpoint() == 4
+    # 4 packs looked for; a body of each; the 2 others of the one whose body is missing
+    assert sorted(looked) == ["_staging"] * 4 + ["blobs"] * 6
+    lost = {(x.tenant, x.sha256): 4 for x in m.blobs}
+    assert a.lost_bodies() == lost
+    again = proc_root.open()  # the checkpoint carries them
+    assert again.lost_bodies() == lost and again.head_seq == 4
+    ref = E.event_from_row(again.read_events().to_pylist()[0]).prompt
+    assert ref is not None and again.blobs.get(ref) == b"body 0-0 " * 100

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import Future
 from typing import Any
 
@@ -669,7 +669,9 @@ class EventLog:
 
     # -- promotion, recovery, checkpoints ----------------------------------------
 
-    def _promote(self, m: Manifest, written: Mapping[str, bytes] | None = None) -> None:
+    def _promote(self, m: Manifest, written: Mapping[str, bytes] | None = None, *,
+                 gone: Set[str] = frozenset(), check: bool = True
+                 ) -> list[tuple[BlobKey, str]]:
         """Move a committed manifest's staged bodies to ``blobs/`` (idempotent).
 
         A body committed again after a reduction stays in staging, where ``get`` finds it
@@ -679,10 +681,15 @@ class EventLog:
         A pack's pieces are copied out (each file written whole, then renamed or PUT);
         once they are durable the pack is removed, unless it holds a body ever reduced
         (vacuum's, then, as for the staging area ``keep_staging`` keeps).
+
+        ``gone``: staged files the caller saw gone already (not looked for again). Bodies
+        found gone from staging are checked (``_check_missing``); with ``check=False``
+        they are returned for the caller to check, with those of other manifests.
         """
-        packs = Packs(self.storage, written)
+        packs = Packs(self.storage, written, gone)
         kept: set[str] = set()
         pieces: list[tuple[str, bytes]] = []  # (blobs/ path, body) copied out of packs
+        missing: list[tuple[BlobKey, str]] = []  # (body, its staged file) found gone
         for b in m.blobs:
             if b.staged is None:
                 continue
@@ -698,6 +705,8 @@ class EventLog:
             dst = blob_path(b.tenant, b.sha256)
             try:
                 if piece is None:
+                    if b.staged in gone:
+                        raise NotFound(f"no such file: {self.storage.url_of(b.staged)}")
                     self.storage.move(b.staged, dst)
                     continue
                 body = packs.body(piece)
@@ -705,30 +714,69 @@ class EventLog:
                     raise NotFound(f"no such file: {self.storage.url_of(piece.file)}")
                 pieces.append((dst, body))
             except NotFound:
-                self.refresh()
-                if self._state.is_reduced(key):
-                    continue  # reduced meanwhile: the reducer removed it, as it should
-                if not self.storage.exists(dst):
-                    # lost (deleted by hand, or by vacuum(grace=0, force=True) under a
-                    # live writer): an error for its readers only, never for the log
-                    _logger.warning("%s: committed body (seq %d) missing from staging and "
-                                    "from blobs/; reading it will fail",
-                                    self.storage.url_of(staged_file(b.staged)), m.seq)
-                    with self._lock:
-                        self._state.lost.setdefault(key, m.seq)
+                missing.append((key, staged_file(b.staged)))
+        if missing and check:
+            self.refresh()  # once, after every look that found a body gone
+            self._check_missing([(m, missing)])
         self._copy_out(pieces)
         if pieces:
             # A reducer that removed a body while we held its pack's bytes may have looked
             # before our copy landed: a body reduced by now is removed again here.
             self.refresh()
             with self._lock:
-                gone = [dst for dst, _data in pieces
-                        if self._state.is_reduced(_key_of(dst))]
-            for dst in gone:
+                reduced = [dst for dst, _data in pieces
+                           if self._state.is_reduced(_key_of(dst))]
+            for dst in reduced:
                 self.storage.delete(dst)
         for f in packs.found:
             if f not in kept:
                 self.storage.delete(f, check=False)  # read or written: no probe first
+        return [] if check else missing
+
+    def _check_missing(self, found_gone: list[tuple[Manifest, list[tuple[BlobKey, str]]]]
+                       ) -> None:
+        """Bodies of committed manifests found gone from staging (each with its staged
+        file), looked at after a refresh that followed every look: promoted by another
+        process (its writer, a roll-forward, vacuum), reduced meanwhile, or lost (deleted
+        by hand, or by ``vacuum(grace=0, force=True)`` under a live writer), which is an
+        error for their readers only, never for the log.
+
+        A staged file (a pack, or one body's own) is removed only once every body in it is
+        durable in ``blobs/``: one body of each gone file is looked for there, and only
+        when it is missing is every other body of that file. A checkpoint of a log many
+        processes write finds nearly every commit of theirs promoted by its own writer: a
+        look per pack, not per body (see ``_promote_others``)."""
+        by_file: dict[str, list[tuple[BlobKey, int]]] = {}
+        for m, missing in found_gone:
+            for key, f in missing:
+                if not self._state.is_reduced(key):  # reduced: its reducer removed it
+                    by_file.setdefault(f, []).append((key, m.seq))
+        files = list(by_file.values())
+        firsts = self._exist([bodies[0][0] for bodies in files])
+        rest = [body for bodies, there in zip(files, firsts, strict=True) if not there
+                for body in bodies[1:]]
+        lost = [body for bodies, there in zip(files, firsts, strict=True) if not there
+                for body in bodies[:1]]
+        lost += [body for body, there in zip(rest, self._exist([k for k, _ in rest]),
+                                             strict=True) if not there]
+        where = {key: f for f, bodies in by_file.items() for key, _seq in bodies}
+        for key, seq in lost:
+            _logger.warning("%s: committed body (seq %d) missing from staging and from "
+                            "blobs/; reading it will fail", self.storage.url_of(where[key]),
+                            seq)
+            with self._lock:
+                self._state.lost.setdefault(key, seq)
+
+    def _exist(self, keys: list[BlobKey]) -> list[bool]:
+        """Whether each body is in ``blobs/`` (see ``_there``)."""
+        return self._there([blob_path(*key) for key in keys])
+
+    def _there(self, paths: list[str]) -> list[bool]:
+        """Whether each file is there: ``PIECE_POOL`` at a time on an object store."""
+        if len(paths) > 1 and self.storage.ambiguous_errors:
+            futures = [PIECE_POOL.submit(self.storage.exists, p) for p in paths]
+            return [f.result() for f in futures]
+        return [self.storage.exists(p) for p in paths]
 
     def _copy_out(self, pieces: list[tuple[str, bytes]]) -> None:
         """Write bodies copied out of a pack to ``blobs/``, durable before the pack goes:
@@ -833,17 +881,38 @@ class EventLog:
             return
         self.write_checkpoint()
 
+    def _promote_others(self, ms: list[Manifest]) -> None:
+        """Promote commits of other processes before a checkpoint: their staged files
+        looked for at once (``PIECE_POOL`` at a time on an object store: most are gone,
+        promoted by their writers), those still there promoted here, then one refresh and
+        the bodies of gone files checked together (``_check_missing``)."""
+        files = sorted({staged_file(b.staged) for m in ms for b in m.blobs if b.staged})
+        gone = {f for f, there in zip(files, self._there(files), strict=True) if not there}
+        found_gone = [(m, self._promote(m, gone=gone, check=False)) for m in ms]
+        if any(missing for _m, missing in found_gone):
+            self.refresh()
+            self._check_missing(found_gone)
+        self._promoted.update(m.txn for m in ms)
+
     def write_checkpoint(self, seq: int | None = None) -> int:
         """Write a checkpoint of the state at ``seq`` (default: head) once every commit it
         covers is promoted; point ``_last_checkpoint.json`` at it."""
         self.flush()
+        # Other processes' commits, promoted here too (idempotent: mostly a look that finds
+        # their writers did it) before the lock is taken: a request per body at worst,
+        # which would hold up this process's commits and reads meanwhile
+        with self._lock:
+            self.refresh()
+            others = [m for m in self._state.manifests_since_checkpoint
+                      if m.txn not in self._promoted]  # ours are done (flush above)
+        self._promote_others(others)
         with self._lock:
             self.refresh()
             st = self._state
             if seq is not None and seq != st.seq:
                 return 0  # the head moved on; a later commit writes the next one
             for m in st.manifests_since_checkpoint:
-                if m.txn not in self._promoted:  # ours are done (flush above)
+                if m.txn not in self._promoted:  # committed since the look above
                     self._promote(m)
             sink = pa.BufferOutputStream()
             table = st.segments_table()
