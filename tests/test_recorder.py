@@ -332,6 +332,51 @@ def test_a_cancelled_first_record_does_not_start_its_window_clock(
     assert first.cancelled() and log.head == 1
 
 
+def test_a_window_waits_its_delay_after_the_last_resolution_for_the_producers_it_woke(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window that opened while the one before it was committing waits ``max_delay_ms``
+    from that commit's resolution too, not only from its own first record: the producers
+    the resolution woke join it, one commit instead of a straggler's and theirs. The
+    windows' clock is moved by hand; the committer is held in a done-callback while the
+    window before resolves; a timed wait of the gatherer (or the window's commit) is the
+    rendezvous after each step."""
+    from poimen_data.log import _recorder
+
+    clock = [1000.0]
+    monkeypatch.setattr(_recorder, "_now", lambda: clock[0])
+    log = pdm.open_log(str(tmp_path / "log"), durable=False)
+    with log.recorder(max_delay_ms=100) as rec:
+        idle, looked = threading.Event(), threading.Event()
+        moved = [False]
+        wait = rec._cond.wait
+
+        def timed(timeout: float | None = None) -> bool:
+            if timeout is not None and rec._next_no == 3 and not rec._busy:
+                idle.set()  # the committer is done with the first window; b1's waits
+                if moved[0]:
+                    looked.set()  # ... and the gatherer looked at it after the clock moved
+            return wait(timeout)
+
+        monkeypatch.setattr(rec._cond, "wait", timed)
+        resolving, go_on = threading.Event(), threading.Event()
+        a1 = rec.record(_start(1)[0][0])
+        a1.add_done_callback(lambda _f: (resolving.set(), go_on.wait(timeout=30)))
+        clock[0] += 0.1  # its window's delay runs out: it commits
+        assert resolving.wait(timeout=30)  # resolving, held in the callback
+        b1 = rec.record([E.RunStarted("acme", "straggler", "wf-1")])  # opens at 1000.1
+        clock[0] += 0.09
+        go_on.set()  # resolved at 1000.19: b1's window now waits until 1000.29
+        assert idle.wait(timeout=30)
+        b1.add_done_callback(lambda _f: looked.set())  # (what it did before)
+        clock[0] += 0.06  # 1000.25: past b1's own delay, not past the resolution's
+        moved[0] = True
+        assert looked.wait(timeout=30)
+        a2 = rec.record([E.RunFinished("acme", "run-0", "succeeded")])  # the woken producer
+        clock[0] += 0.1
+        assert b1.result(timeout=30).seq == a2.result(timeout=30).seq == 2
+    assert a1.result(timeout=0).seq == 1 and log.head_seq == 2
+
+
 def test_a_forked_child_holds_none_of_its_parents_pack_bytes(tmp_path: Path) -> None:
     """Pack bytes held for the parent's promotions are not counted in a forked child
     (its promotions would read every pack back otherwise); the parent gives them back."""

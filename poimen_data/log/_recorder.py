@@ -212,12 +212,13 @@ class Recorder:
 
     A window opens with its first record and closes once that record has waited
     ``max_delay_ms`` since ``record`` took it and the window before it has been taken by
-    the committer (which may still be publishing it), or as soon as one more record would
-    take it past ``max_events`` events or ``max_bytes`` of bodies (a record is never
-    split: a bigger one is a window of its own). While one window publishes, the next may
-    wait closed (its pack and segment being written) and a third gathers, so a busy
-    recorder makes bigger windows, and producers of the next window do their Python work
-    while the disk syncs.
+    the committer (which may still be publishing it), and no sooner than ``max_delay_ms``
+    after the committer last resolved a window (the producers it woke join this one), or
+    as soon as one more record would take it past ``max_events`` events or ``max_bytes`` of
+    bodies (a record is never split: a bigger one is a window of its own). While one
+    window publishes, the next may wait closed (its pack and segment being written) and a
+    third gathers, so a busy recorder makes bigger windows, and producers of the next
+    window do their Python work while the disk syncs.
 
     A window stages its new bodies as one file, its pack (``log._staged``): one file
     created and written (or one PUT) on the I/O pool when the window closes, beside its
@@ -277,6 +278,8 @@ class Recorder:
         # records up to this one are awaited by a flush: their windows close without
         # the delay (later records' windows keep theirs)
         self._flush_to = 0
+        # when the committer last resolved a window's records (see _next_for)
+        self._resolved_at = 0.0
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy refuses (see _check_process)
         self._broken: BaseException | None = None  # what stopped a thread of it
@@ -632,7 +635,11 @@ class Recorder:
             # the committer may still publish the window before, unless publishes lose
             # races to other writers: then one window at a time, bigger, fewer to race
             idle = self._ready is None and not (self._busy and self._contended)
-            left = win.opened + self.max_delay - _now()
+            # its delay runs from its first record's hand-over, and from the committer's
+            # last resolution: the producers that woke get as long to join it. Producers
+            # that wait for each record (an engine's runs) then make one window per cycle,
+            # not a big one and a straggler that each cost a commit.
+            left = max(win.opened, self._resolved_at) + self.max_delay - _now()
             # a flush waits for it; or producers wait for room that only its commit makes
             flushed = win.first_no <= self._flush_to or bool(self._waiting)
             if idle and (left <= 0 or flushed or self._closed):
@@ -775,6 +782,8 @@ class Recorder:
             n = len(rec.events)
             rec.future.set_result(CommitInfo(info.seq, lsn, lsn + n - 1))
             lsn += n
+        with self._cond:
+            self._resolved_at = _now()  # its producers woke: see _next_for
         if info.seq is not None and not settled:  # (settle wrote the checkpoint owed)
             win.tx.checkpoint()  # durable since the publish: producers go on meanwhile
 
