@@ -769,7 +769,9 @@ def s3_writers(ctx: Ctx) -> Result:
     q = ctx.quick
     clocks: list[Callable[[], float]] = []
     with moto_s3(own_process=True, clocks=clocks) as (base, opts):
-        s3 = _writer_table(ctx, base, opts, 8 if q else 48, 8, clocks[0])
+        # 160 records a writer: at N = 8 the log passes a checkpoint (seq 100), whose
+        # writer promotes what the others committed since the last one (README, step 6)
+        s3 = _writer_table(ctx, base, opts, 8 if q else 160, 8, clocks[0])
         s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0, clocks[0])
     d = str(ctx.dir("writers"))  # local disk: full runs only (8 processes start slowly)
     local = {} if q else _writer_table(ctx, d, None, 160, 8)
