@@ -703,10 +703,11 @@ class EventLog:
                     kept.add(piece.file)  # its body lives here now: vacuum's to move
                 continue
             dst = blob_path(b.tenant, b.sha256)
+            if b.staged in gone:
+                missing.append((key, b.staged))
+                continue
             try:
                 if piece is None:
-                    if b.staged in gone:
-                        raise NotFound(f"no such file: {self.storage.url_of(b.staged)}")
                     self.storage.move(b.staged, dst)
                     continue
                 body = packs.body(piece)
@@ -736,34 +737,20 @@ class EventLog:
     def _check_missing(self, found_gone: list[tuple[Manifest, list[tuple[BlobKey, str]]]]
                        ) -> None:
         """Bodies of committed manifests found gone from staging (each with its staged
-        file), looked at after a refresh that followed every look: promoted by another
-        process (its writer, a roll-forward, vacuum), reduced meanwhile, or lost (deleted
-        by hand, or by ``vacuum(grace=0, force=True)`` under a live writer), which is an
-        error for their readers only, never for the log.
-
-        A staged file (a pack, or one body's own) is removed only once every body in it is
-        durable in ``blobs/``: one body of each gone file is looked for there, and only
-        when it is missing is every other body of that file. A checkpoint of a log many
-        processes write finds nearly every commit of theirs promoted by its own writer: a
-        look per pack, not per body (see ``_promote_others``)."""
-        by_file: dict[str, list[tuple[BlobKey, int]]] = {}
-        for m, missing in found_gone:
-            for key, f in missing:
-                if not self._state.is_reduced(key):  # reduced: its reducer removed it
-                    by_file.setdefault(f, []).append((key, m.seq))
-        files = list(by_file.values())
-        firsts = self._exist([bodies[0][0] for bodies in files])
-        rest = [body for bodies, there in zip(files, firsts, strict=True) if not there
-                for body in bodies[1:]]
-        lost = [body for bodies, there in zip(files, firsts, strict=True) if not there
-                for body in bodies[:1]]
-        lost += [body for body, there in zip(rest, self._exist([k for k, _ in rest]),
-                                             strict=True) if not there]
-        where = {key: f for f, bodies in by_file.items() for key, _seq in bodies}
-        for key, seq in lost:
+        file), looked for in ``blobs/`` after a refresh that followed every look (16 at a
+        time on an object store): promoted by another process (its writer, a roll-forward,
+        vacuum), reduced meanwhile, or lost (deleted by hand, or by ``vacuum(grace=0,
+        force=True)`` under a live writer), which is an error for their readers only,
+        never for the log. Every body is looked for: one found in ``blobs/`` says nothing
+        of the others of its file (it may have been committed there by another commit)."""
+        bodies = [(key, f, m.seq) for m, missing in found_gone for key, f in missing
+                  if not self._state.is_reduced(key)]  # reduced: its reducer removed it
+        there = self._exist([key for key, _f, _seq in bodies])
+        for (key, f, seq), found in zip(bodies, there, strict=True):
+            if found:
+                continue
             _logger.warning("%s: committed body (seq %d) missing from staging and from "
-                            "blobs/; reading it will fail", self.storage.url_of(where[key]),
-                            seq)
+                            "blobs/; reading it will fail", self.storage.url_of(f), seq)
             with self._lock:
                 self._state.lost.setdefault(key, seq)
 
@@ -882,10 +869,12 @@ class EventLog:
         self.write_checkpoint()
 
     def _promote_others(self, ms: list[Manifest]) -> None:
-        """Promote commits of other processes before a checkpoint: their staged files
-        looked for at once (``PIECE_POOL`` at a time on an object store: most are gone,
-        promoted by their writers), those still there promoted here, then one refresh and
-        the bodies of gone files checked together (``_check_missing``)."""
+        """Promote, before a checkpoint, the commits this process has not promoted (other
+        processes', nearly all promoted by their own writers): their staged files looked
+        for first (16 at a time on an object store), those still there promoted here, then
+        one refresh and the bodies of the gone ones looked for together
+        (``_check_missing``), where a body took a read, a refresh and a look, one after
+        the other."""
         files = sorted({staged_file(b.staged) for m in ms for b in m.blobs if b.staged})
         gone = {f for f, there in zip(files, self._there(files), strict=True) if not there}
         found_gone = [(m, self._promote(m, gone=gone, check=False)) for m in ms]
@@ -898,13 +887,15 @@ class EventLog:
         """Write a checkpoint of the state at ``seq`` (default: head) once every commit it
         covers is promoted; point ``_last_checkpoint.json`` at it."""
         self.flush()
-        # Other processes' commits, promoted here too (idempotent: mostly a look that finds
-        # their writers did it) before the lock is taken: a request per body at worst,
-        # which would hold up this process's commits and reads meanwhile
+        # Commits not promoted by this process (other processes', and ours that staged no
+        # body), promoted here too before the lock is taken: a request or two per body of
+        # theirs, which would hold up this process's reads and transactions meanwhile
         with self._lock:
             self.refresh()
+            if seq is not None and seq != self._state.seq:
+                return 0  # the head moved on; a later commit writes the next one
             others = [m for m in self._state.manifests_since_checkpoint
-                      if m.txn not in self._promoted]  # ours are done (flush above)
+                      if m.txn not in self._promoted]
         self._promote_others(others)
         with self._lock:
             self.refresh()

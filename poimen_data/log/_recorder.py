@@ -855,6 +855,8 @@ class Recorder:
                 rec.future.set_exception(CommitConflict(
                     f"record did not land in {RECOMMITS} commits, each settled as not "
                     "landed (other writers took their seqs)"))
+        with self._cond:
+            self._resolved_at = _now()  # their producers woke: see _next_for
 
     @staticmethod
     def _fail(records: list[_Record], exc: BaseException) -> None:
