@@ -724,15 +724,16 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
             assert p.stdin is not None
             p.stdin.write(b"go\n")
             p.stdin.flush()
-        retries = publishes = 0
+        retries = publishes = requests = 0
         writers_cpu = 0.0
         for p in procs:
             out, err = p.communicate(timeout=900)
             if p.returncode:
                 raise RuntimeError(f"writer failed: {err.decode()[-500:]}")
-            r, c, cpu = out.split()[-3:]
+            r, c, cpu, req = out.split()[-4:]
             retries, publishes = retries + int(r), publishes + int(c)
             writers_cpu += float(cpu)
+            requests += int(req)
         wall, busy_cores = time.perf_counter() - t0, busy.end()
         cpu1 = None if server is None else server()
     finally:
@@ -741,7 +742,8 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
                 p.kill()
     rates = {"records_per_s": n * records / wall, "publishes_per_s": publishes / wall,
              "retries_per_publish": retries / publishes, "wall_s": wall,
-             "writers_ms_per_record": writers_cpu / (n * records) * 1e3}
+             "writers_ms_per_record": writers_cpu / (n * records) * 1e3,
+             "requests_per_record": requests / (n * records)}
     if busy_cores is not None:
         rates["busy_cores"] = busy_cores
     if cpu0 is not None and cpu1 is not None:
@@ -765,7 +767,9 @@ def s3_writers(ctx: Ctx) -> Result:
     through a recorder fed by 8 threads (ours), and one by one (in the note); then the same
     on local disk (details and note). Total records/s, commits/s and lost publish races
     per commit; for S3 with a recorder, the cores the writers, moto and the whole machine
-    kept busy at N = 1 and N = 8. The goal: N = 8 no slower in total than N = 1."""
+    kept busy at N = 1 and N = 8, the writers' storage calls per record, and moto's ceiling
+    measured in the same run (``_ceiling``): what it allows at those calls per record. The
+    goal: N = 8 no slower in total than N = 1."""
     q = ctx.quick
     clocks: list[Callable[[], float]] = []
     with moto_s3(own_process=True, clocks=clocks) as (base, opts):
@@ -773,6 +777,7 @@ def s3_writers(ctx: Ctx) -> Result:
         # writer promotes what the others committed since the last one (README, step 6)
         s3 = _writer_table(ctx, base, opts, 8 if q else 160, 8, clocks[0])
         s3_one = _writer_table(ctx, base, opts, 3 if q else 20, 0, clocks[0])
+        ceiling = _ceiling(ctx, f"{base}/w1-8", opts, clocks[0])
     d = str(ctx.dir("writers"))  # local disk: full runs only (8 processes start slowly)
     local = {} if q else _writer_table(ctx, d, None, 160, 8)
     local_one = {} if q else _writer_table(ctx, d, None, 50, 0)
@@ -798,6 +803,18 @@ def s3_writers(ctx: Ctx) -> Result:
                     f"({v['server_ms_per_record']:.1f} ms)")
         if "busy_cores" in v:
             cpu += f", the machine {v['busy_cores']:.2f} of {os.cpu_count() or 1} busy"
+        cpu += f"; {v['requests_per_record']:.1f} storage calls per record"
+    # what the server answers at most, in calls per second, and so in records per second
+    # at N = 8's calls per record
+    procs_n, threads = CEILING_CLIENTS
+    cpu += (f"; moto's ceiling in this run: {ceiling['requests_per_s']:.0f} requests/s "
+            f"(HEADs of one object from {procs_n} processes x {threads} threads, moto at "
+            f"{ceiling['server_cores']:.2f} cores"
+            + (f", the machine {ceiling['busy_cores']:.2f} busy" if "busy_cores" in ceiling
+               else "")
+            + f"), at most {ceiling['requests_per_s'] / s3[8]['requests_per_record']:.0f} "
+              f"records/s at N=8's calls per record, "
+              f"{ceiling['requests_per_s'] / s3[1]['requests_per_record']:.0f} at N=1's")
     return _result(ctx, "s3_writers", "S3 writers", ours=eight, reference=one,
                    ratio=eight / one, unit="records/s", ref_unit="records/s",
                    ours_text=f"N=8 {fmt_rate(eight, 'records/s')}",
@@ -808,9 +825,113 @@ def s3_writers(ctx: Ctx) -> Result:
                         f"with a recorder: {line(local)}; local one by one: {line(local_one)}"
                         + cpu,
                    details={"t_ours_s": [s3[8]["wall_s"]], "t_ref_s": [s3[1]["wall_s"]],
+                            "s3_ceiling": ceiling,
                             **{name: {str(k): v for k, v in t.items()} for name, t in
                                (("s3", s3), ("s3_one_by_one", s3_one), ("local", local),
                                 ("local_one_by_one", local_one))}})
+
+
+#: the storage calls that make requests (an object store's GET, HEAD, PUT, DELETE, LIST);
+#: one calling another (``read_or_none`` calls ``read``, ``exists`` calls ``size`` on S3)
+#: counts once
+STORAGE_CALLS = ("read", "read_or_none", "read_range", "exists", "size", "write",
+                 "write_new", "write_hashed", "put_if_absent", "delete", "delete_tree",
+                 "list_dir", "walk_files", "copy", "move")
+
+
+def _count_calls(storage: Any) -> Callable[[], int]:
+    """Count ``storage``'s calls (``STORAGE_CALLS``, the outermost of nested ones) from now
+    on, from every thread: the returned function reads the count."""
+    depth = threading.local()
+    lock = threading.Lock()
+    n = [0]
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kw: Any) -> Any:
+            outer = not getattr(depth, "n", 0)
+            if outer:
+                with lock:
+                    n[0] += 1
+            depth.n = getattr(depth, "n", 0) + 1
+            try:
+                return fn(*args, **kw)
+            finally:
+                depth.n -= 1
+        return call
+
+    for name in STORAGE_CALLS:
+        setattr(storage, name, counted(getattr(storage, name)))
+    return lambda: n[0]
+
+
+#: the server's ceiling (``_ceiling``): processes, threads each, seconds (full, quick)
+CEILING_CLIENTS = (2, 8)
+CEILING_S = (3.0, 0.5)
+
+
+def _heads_main(root: str, seconds: float, threads: int) -> None:
+    """A client of ``_ceiling``: prints ``ready``, waits for a line, then HEADs the log's
+    ``_poimen.json`` from ``threads`` threads for ``seconds``; prints how many it made."""
+    so = os.environ.get("POIMEN_BENCH_STORAGE_OPTIONS")
+    st = _open(root, storage_options=json.loads(so) if so else None, create=False).storage
+    st.exists("_poimen.json")  # connected
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+    end = time.monotonic() + seconds
+    counts = [0] * threads
+
+    def heads(i: int) -> None:
+        while time.monotonic() < end:
+            st.exists("_poimen.json")
+            counts[i] += 1
+
+    workers = [threading.Thread(target=heads, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    sys.stdout.write(f"{sum(counts)}\n")
+
+
+def _ceiling(ctx: Ctx, root: str, opts: dict[str, Any], server: Callable[[], float]
+             ) -> dict[str, float]:
+    """How many requests the S3 server answers at most, in this run: ``CEILING_CLIENTS``
+    processes of threads doing nothing but HEADs of one small object (the cheapest request)
+    for a few seconds. Requests/s, the server's cores (its own clock) and the machine's."""
+    procs_n, threads = CEILING_CLIENTS
+    seconds = CEILING_S[ctx.quick]
+    env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts))
+    procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", "--heads",
+                               root, str(seconds), str(threads)], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+             for _ in range(procs_n)]
+    try:
+        for p in procs:  # the rendezvous: every client connected
+            assert p.stdout is not None
+            if p.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"client failed: {p.communicate()[1].decode()[-500:]}")
+        cpu0, t0, busy = server(), time.perf_counter(), _BusyCores()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+        total = 0
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            if p.returncode:
+                raise RuntimeError(f"client failed: {err.decode()[-500:]}")
+            total += int(out.split()[-1])
+        wall, cpu1, busy_cores = time.perf_counter() - t0, server(), busy.end()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    ceiling = {"requests_per_s": total / wall, "server_cores": (cpu1 - cpu0) / wall}
+    if busy_cores is not None:
+        ceiling["busy_cores"] = busy_cores
+    return ceiling
 
 
 def _writer_main(root: str, who: str, records: int, producers: int) -> None:
@@ -827,10 +948,11 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
     warm = _attempt("warm", BlobRef("acme", "0" * 64, 1))  # the first conversion is slow
     events_to_table(warm, [datetime.now(UTC)] * len(warm))
     log.refresh()
+    requests = _count_calls(log.storage)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     sys.stdin.readline()
-    cpu0 = time.process_time()
+    cpu0, requests0 = time.process_time(), requests()
     if producers:
         with log.recorder(max_delay_ms=5) as rec:
             def producer(p: int) -> None:
@@ -852,11 +974,14 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
                 tx.extend(_attempt(f"{who}-{k}", ref))
         publishes = records
     log.flush()
-    sys.stdout.write(f"{log.publish_retries} {publishes} {time.process_time() - cpu0:.6f}\n")
+    sys.stdout.write(f"{log.publish_retries} {publishes} {time.process_time() - cpu0:.6f} "
+                     f"{requests() - requests0}\n")
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--moto"]:
         _moto_main()
+    elif sys.argv[1] == "--heads":
+        _heads_main(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
     else:
         _writer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
