@@ -24,7 +24,7 @@ from poimen_data.bench._recorder import (
     ROLES,
     SEGMENT_BYTES_PER_RECORD,
     _BusyCores,
-    _count_calls,
+    _count_requests,
     _floor,
 )
 from poimen_data.bench._runner import Result, run, run_cli, scenario_names, write_json
@@ -89,16 +89,16 @@ def test_quick_bench_reports_every_scenario(quick_results: list[Result]) -> None
         assert v["server_ms_per_record"] > 0  # moto's own clock: it answered requests
         if sys.platform.startswith("linux"):
             assert f"the machine {v['busy_cores']:.2f} of" in writers.note
-        # each writer's storage calls: at least the pack, segment and manifest of a
-        # window and a body's promotion per record
+        # each writer's requests: at least the pack, segment and manifest of a window and
+        # a body's promotion per record
         assert v["requests_per_record"] > 1, v
-        assert f"{v['requests_per_record']:.1f} storage calls per record" in writers.note
+        assert f"{v['requests_per_record']:.1f} requests per record" in writers.note
     ceiling = writers.details["s3_ceiling"]  # moto's, measured in the same run
     assert ceiling["requests_per_s"] > 0 and ceiling["server_cores"] > 0, ceiling
     allows = ceiling["requests_per_s"] / writers.details["s3"]["8"]["requests_per_record"]
-    assert (f"moto's ceiling in this run: {ceiling['requests_per_s']:.0f} requests/s"
+    assert (f"for its cheapest request: {ceiling['requests_per_s']:.0f} requests/s"
             in writers.note)
-    assert f"at most {allows:.0f} records/s at N=8's calls per record" in writers.note
+    assert f"at most {allows:.0f} records/s at N=8's requests per record" in writers.note
 
 
 @pytest.mark.slow
@@ -213,25 +213,33 @@ def test_busy_cores_counts_at_least_this_process() -> None:
     assert 0.5 * cpu / wall <= cores <= (os.cpu_count() or 1), (cores, cpu, wall)
 
 
-def test_storage_calls_are_counted_once_each_from_every_thread(tmp_path: Path) -> None:
-    """What ``s3_writers`` counts per record: every storage call, a call another one makes
-    (``read_or_none`` reads, ``delete_tree`` lists and deletes) not again, from any
-    thread."""
+def test_requests_are_counted_at_the_http_layer(s3: Any, tmp_path: Path) -> None:
+    """What ``s3_writers`` counts per record: every HTTP request the storage sends, from
+    any thread, a call that makes several counted for each (a move copies, then
+    deletes); none on local disk."""
     import threading
+    import uuid
+
+    from conftest import BUCKET
 
     import poimen_data as pdm
 
-    st = pdm.open_log(str(tmp_path / "log")).storage
-    calls = _count_calls(st)
+    log = pdm.open_log(f"s3://{BUCKET}/{uuid.uuid4().hex}", storage_options=s3.storage_options)
+    st = log.storage
+    sent = _count_requests(st)
+    assert sent is not None and sent() == 0
     st.write("x/a", b"a")
-    st.write_new("x/b", b"b")
-    assert st.read_or_none("x/a") == b"a" and st.read_or_none("x/none") is None
-    assert calls() == 4
-    assert st.delete_tree("x") == 2  # a walk and two deletes inside it: one call
-    assert calls() == 5
-    threads = [threading.Thread(target=st.exists, args=("x/a",)) for _ in range(8)]
+    assert sent() == 1  # a PUT
+    assert st.read_or_none("x/none") is None
+    assert sent() == 2  # a GET, answered 404
+    st.move("x/a", "x/b")
+    moved = sent()
+    assert moved == 4, moved  # a copy and a delete
+    threads = [threading.Thread(target=st.exists, args=("x/b",)) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert calls() == 13
+    assert sent() == moved + 8  # a HEAD each
+    assert _count_requests(pdm.open_log(str(tmp_path / "local")).storage) is None
+

@@ -1045,6 +1045,7 @@ def test_a_checkpoint_looks_once_for_each_staged_file_of_other_writers(
         return exists(rel)
 
     monkeypatch.setattr(a.storage, "exists", counted)
+    assert a.write_checkpoint(seq=3) == 0 and looked == []  # not the head: nothing done
     assert a.write_checkpoint() == 4
     # the 4 packs looked for, all gone; then each of their 19 bodies in blobs/
     assert sorted(looked) == ["_staging"] * 4 + ["blobs"] * 19

@@ -733,7 +733,7 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
             r, c, cpu, req = out.split()[-4:]
             retries, publishes = retries + int(r), publishes + int(c)
             writers_cpu += float(cpu)
-            requests += int(req)
+            requests = -1 if int(req) < 0 or requests < 0 else requests + int(req)
         wall, busy_cores = time.perf_counter() - t0, busy.end()
         cpu1 = None if server is None else server()
     finally:
@@ -742,8 +742,9 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
                 p.kill()
     rates = {"records_per_s": n * records / wall, "publishes_per_s": publishes / wall,
              "retries_per_publish": retries / publishes, "wall_s": wall,
-             "writers_ms_per_record": writers_cpu / (n * records) * 1e3,
-             "requests_per_record": requests / (n * records)}
+             "writers_ms_per_record": writers_cpu / (n * records) * 1e3}
+    if requests >= 0:  # every writer counted its requests (an object store)
+        rates["requests_per_record"] = requests / (n * records)
     if busy_cores is not None:
         rates["busy_cores"] = busy_cores
     if cpu0 is not None and cpu1 is not None:
@@ -767,8 +768,8 @@ def s3_writers(ctx: Ctx) -> Result:
     through a recorder fed by 8 threads (ours), and one by one (in the note); then the same
     on local disk (details and note). Total records/s, commits/s and lost publish races
     per commit; for S3 with a recorder, the cores the writers, moto and the whole machine
-    kept busy at N = 1 and N = 8, the writers' storage calls per record, and moto's ceiling
-    measured in the same run (``_ceiling``): what it allows at those calls per record. The
+    kept busy at N = 1 and N = 8, the writers' HTTP requests per record, and moto's ceiling
+    measured in the same run (``_ceiling``): what it allows at those requests per record. The
     goal: N = 8 no slower in total than N = 1."""
     q = ctx.quick
     clocks: list[Callable[[], float]] = []
@@ -803,17 +804,17 @@ def s3_writers(ctx: Ctx) -> Result:
                     f"({v['server_ms_per_record']:.1f} ms)")
         if "busy_cores" in v:
             cpu += f", the machine {v['busy_cores']:.2f} of {os.cpu_count() or 1} busy"
-        cpu += f"; {v['requests_per_record']:.1f} storage calls per record"
-    # what the server answers at most, in calls per second, and so in records per second
-    # at N = 8's calls per record
+        cpu += f"; {v['requests_per_record']:.1f} requests per record"
+    # what the server answers at most, in requests per second, and so in records per second
+    # at N = 8's requests per record
     procs_n, threads = CEILING_CLIENTS
-    cpu += (f"; moto's ceiling in this run: {ceiling['requests_per_s']:.0f} requests/s "
-            f"(HEADs of one object from {procs_n} processes x {threads} threads, moto at "
-            f"{ceiling['server_cores']:.2f} cores"
+    cpu += (f"; moto's ceiling in this run, for its cheapest request: "
+            f"{ceiling['requests_per_s']:.0f} requests/s (HEADs of one object from {procs_n} "
+            f"processes x {threads} threads, moto at {ceiling['server_cores']:.2f} cores"
             + (f", the machine {ceiling['busy_cores']:.2f} busy" if "busy_cores" in ceiling
                else "")
-            + f"), at most {ceiling['requests_per_s'] / s3[8]['requests_per_record']:.0f} "
-              f"records/s at N=8's calls per record, "
+            + f"): at most {ceiling['requests_per_s'] / s3[8]['requests_per_record']:.0f} "
+              f"records/s at N=8's requests per record, "
               f"{ceiling['requests_per_s'] / s3[1]['requests_per_record']:.0f} at N=1's")
     return _result(ctx, "s3_writers", "S3 writers", ours=eight, reference=one,
                    ratio=eight / one, unit="records/s", ref_unit="records/s",
@@ -831,36 +832,26 @@ def s3_writers(ctx: Ctx) -> Result:
                                 ("local_one_by_one", local_one))}})
 
 
-#: the storage calls that make requests (an object store's GET, HEAD, PUT, DELETE, LIST);
-#: one calling another (``read_or_none`` calls ``read``, ``exists`` calls ``size`` on S3)
-#: counts once
-STORAGE_CALLS = ("read", "read_or_none", "read_range", "exists", "size", "write",
-                 "write_new", "write_hashed", "put_if_absent", "delete", "delete_tree",
-                 "list_dir", "walk_files", "copy", "move")
+def _count_requests(storage: Any) -> Callable[[], int] | None:
+    """Count every HTTP request ``storage`` sends from now on, from every thread (botocore's
+    ``before-send`` event of s3fs's client: a retry, and each request of a call that makes
+    several, such as a move's copy and delete, counted); None for a storage that sends
+    none (local disk). The returned function reads the count."""
+    fs = getattr(storage, "fs", None)
+    if fs is None or not hasattr(fs, "set_session"):
+        return None
+    import fsspec.asyn
 
-
-def _count_calls(storage: Any) -> Callable[[], int]:
-    """Count ``storage``'s calls (``STORAGE_CALLS``, the outermost of nested ones) from now
-    on, from every thread: the returned function reads the count."""
-    depth = threading.local()
-    lock = threading.Lock()
     n = [0]
 
-    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kw: Any) -> Any:
-            outer = not getattr(depth, "n", 0)
-            if outer:
-                with lock:
-                    n[0] += 1
-            depth.n = getattr(depth, "n", 0) + 1
-            try:
-                return fn(*args, **kw)
-            finally:
-                depth.n -= 1
-        return call
+    def count(**_kw: Any) -> None:  # on s3fs's event loop thread; None: send it
+        n[0] += 1
 
-    for name in STORAGE_CALLS:
-        setattr(storage, name, counted(getattr(storage, name)))
+    async def hook() -> None:
+        await fs.set_session()
+        fs.s3.meta.events.register("before-send.s3", count)
+
+    fsspec.asyn.sync(fs.loop, hook)
     return lambda: n[0]
 
 
@@ -871,27 +862,37 @@ CEILING_S = (3.0, 0.5)
 
 def _heads_main(root: str, seconds: float, threads: int) -> None:
     """A client of ``_ceiling``: prints ``ready``, waits for a line, then HEADs the log's
-    ``_poimen.json`` from ``threads`` threads for ``seconds``; prints how many it made."""
+    ``_poimen.json`` from ``threads`` threads for ``seconds``; prints how many it made and
+    the seconds it took (exits 1, printing nothing, when a thread failed)."""
     so = os.environ.get("POIMEN_BENCH_STORAGE_OPTIONS")
     st = _open(root, storage_options=json.loads(so) if so else None, create=False).storage
     st.exists("_poimen.json")  # connected
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     sys.stdin.readline()
-    end = time.monotonic() + seconds
+    t0 = time.monotonic()
+    end = t0 + seconds
     counts = [0] * threads
+    failed: list[BaseException] = []
 
     def heads(i: int) -> None:
-        while time.monotonic() < end:
-            st.exists("_poimen.json")
-            counts[i] += 1
+        try:
+            while time.monotonic() < end:
+                st.exists("_poimen.json")
+                counts[i] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
 
     workers = [threading.Thread(target=heads, args=(i,)) for i in range(threads)]
     for t in workers:
         t.start()
     for t in workers:
         t.join()
-    sys.stdout.write(f"{sum(counts)}\n")
+    if failed:
+        sys.stderr.write(f"a client thread failed: {failed[0]!r}\n")
+        sys.exit(1)
+    sys.stdout.write(f"{sum(counts)} {time.monotonic() - t0:.6f}\n")
+    sys.stdout.flush()
 
 
 def _ceiling(ctx: Ctx, root: str, opts: dict[str, Any], server: Callable[[], float]
@@ -912,23 +913,26 @@ def _ceiling(ctx: Ctx, root: str, opts: dict[str, Any], server: Callable[[], flo
             assert p.stdout is not None
             if p.stdout.readline() != b"ready\n":
                 raise RuntimeError(f"client failed: {p.communicate()[1].decode()[-500:]}")
-        cpu0, t0, busy = server(), time.perf_counter(), _BusyCores()
+        cpu0, busy = server(), _BusyCores()
         for p in procs:
             assert p.stdin is not None
             p.stdin.write(b"go\n")
             p.stdin.flush()
-        total = 0
+        total, sending = 0, 0.0
+        for p in procs:  # each client's count and the seconds it sent them in, read as it
+            assert p.stdout is not None  # prints them: not its start-up or exit
+            line = p.stdout.readline().split()
+            if len(line) != 2:
+                raise RuntimeError(f"client failed: {p.communicate()[1].decode()[-500:]}")
+            total, sending = total + int(line[0]), max(sending, float(line[1]))
+        cpu1, busy_cores = server(), busy.end()
         for p in procs:
-            out, err = p.communicate(timeout=300)
-            if p.returncode:
-                raise RuntimeError(f"client failed: {err.decode()[-500:]}")
-            total += int(out.split()[-1])
-        wall, cpu1, busy_cores = time.perf_counter() - t0, server(), busy.end()
+            p.communicate(timeout=300)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    ceiling = {"requests_per_s": total / wall, "server_cores": (cpu1 - cpu0) / wall}
+    ceiling = {"requests_per_s": total / sending, "server_cores": (cpu1 - cpu0) / sending}
     if busy_cores is not None:
         ceiling["busy_cores"] = busy_cores
     return ceiling
@@ -948,11 +952,11 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
     warm = _attempt("warm", BlobRef("acme", "0" * 64, 1))  # the first conversion is slow
     events_to_table(warm, [datetime.now(UTC)] * len(warm))
     log.refresh()
-    requests = _count_calls(log.storage)
+    requests = _count_requests(log.storage)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     sys.stdin.readline()
-    cpu0, requests0 = time.process_time(), requests()
+    cpu0, requests0 = time.process_time(), (requests() if requests else 0)
     if producers:
         with log.recorder(max_delay_ms=5) as rec:
             def producer(p: int) -> None:
@@ -974,8 +978,9 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
                 tx.extend(_attempt(f"{who}-{k}", ref))
         publishes = records
     log.flush()
+    sent = requests() - requests0 if requests else -1  # -1: local disk, no requests
     sys.stdout.write(f"{log.publish_retries} {publishes} {time.process_time() - cpu0:.6f} "
-                     f"{requests() - requests0}\n")
+                     f"{sent}\n")
 
 
 if __name__ == "__main__":

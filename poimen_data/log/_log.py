@@ -873,8 +873,8 @@ class EventLog:
         processes', nearly all promoted by their own writers): their staged files looked
         for first (16 at a time on an object store), those still there promoted here, then
         one refresh and the bodies of the gone ones looked for together
-        (``_check_missing``), where a body took a read, a refresh and a look, one after
-        the other."""
+        (``_check_missing``), instead of a read, a refresh and a look per body, one after
+        the other, under the log's lock."""
         files = sorted({staged_file(b.staged) for m in ms for b in m.blobs if b.staged})
         gone = {f for f, there in zip(files, self._there(files), strict=True) if not there}
         found_gone = [(m, self._promote(m, gone=gone, check=False)) for m in ms]
