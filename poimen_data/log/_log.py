@@ -65,6 +65,9 @@ from poimen_data.storage import (
 )
 
 DEFAULT_CHECKPOINT_INTERVAL = 100
+# passes a checkpoint makes off the log's lock over the commits it must promote, each over
+# those that landed during the last (see ``write_checkpoint``)
+CHECKPOINT_PASSES = 3
 MAX_COMMIT_ATTEMPTS = 10_000
 _logger = logging.getLogger("poimen_data")
 _LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
@@ -686,7 +689,7 @@ class EventLog:
         found gone from staging are checked (``_check_missing``); with ``check=False``
         they are returned for the caller to check, with those of other manifests.
         """
-        packs = Packs(self.storage, written, gone)
+        packs = Packs(self.storage, written)
         kept: set[str] = set()
         pieces: list[tuple[str, bytes]] = []  # (blobs/ path, body) copied out of packs
         missing: list[tuple[BlobKey, str]] = []  # (body, its staged file) found gone
@@ -703,8 +706,8 @@ class EventLog:
                     kept.add(piece.file)  # its body lives here now: vacuum's to move
                 continue
             dst = blob_path(b.tenant, b.sha256)
-            if b.staged in gone:
-                missing.append((key, b.staged))
+            if staged_file(b.staged) in gone:  # its own file or its pack: not looked again
+                missing.append((key, staged_file(b.staged)))
                 continue
             try:
                 if piece is None:
@@ -743,8 +746,12 @@ class EventLog:
         force=True)`` under a live writer), which is an error for their readers only,
         never for the log. Every body is looked for: one found in ``blobs/`` says nothing
         of the others of its file (it may have been committed there by another commit)."""
-        bodies = [(key, f, m.seq) for m, missing in found_gone for key, f in missing
-                  if not self._state.is_reduced(key)]  # reduced: its reducer removed it
+        first: dict[BlobKey, tuple[str, int]] = {}  # a body once, with its first commit
+        for m, missing in found_gone:
+            for key, f in missing:
+                if not self._state.is_reduced(key):  # reduced: its reducer removed it
+                    first.setdefault(key, (f, m.seq))
+        bodies = [(key, f, seq) for key, (f, seq) in first.items()]
         there = self._exist([key for key, _f, _seq in bodies])
         for (key, f, seq), found in zip(bodies, there, strict=True):
             if found:
@@ -868,6 +875,11 @@ class EventLog:
             return
         self.write_checkpoint()
 
+    def _unpromoted(self) -> list[Manifest]:
+        with self._lock:
+            return [m for m in self._state.manifests_since_checkpoint
+                    if m.txn not in self._promoted]
+
     def _promote_others(self, ms: list[Manifest]) -> None:
         """Promote, before a checkpoint, the commits this process has not promoted (other
         processes', nearly all promoted by their own writers): their staged files looked
@@ -888,23 +900,26 @@ class EventLog:
         covers is promoted; point ``_last_checkpoint.json`` at it."""
         self.flush()
         # Commits not promoted by this process (other processes', and ours that staged no
-        # body), promoted here too before the lock is taken: a request or two per body of
-        # theirs, which would hold up this process's reads and transactions meanwhile
-        with self._lock:
-            self.refresh()
-            if seq is not None and seq != self._state.seq:
-                return 0  # the head moved on; a later commit writes the next one
-            others = [m for m in self._state.manifests_since_checkpoint
-                      if m.txn not in self._promoted]
-        self._promote_others(others)
+        # body) are promoted here too, before the lock is taken: a request or two per body
+        # of theirs, which would hold up this process's reads and transactions meanwhile.
+        # Commits that land during a pass are taken by the next; the few that land during
+        # the last are promoted under the lock, the same batched way.
+        for _ in range(CHECKPOINT_PASSES):
+            with self._lock:
+                self.refresh()
+                if seq is not None and seq != self._state.seq:
+                    return 0  # the head moved on; a later commit writes the next one
+                others = self._unpromoted()
+            if not others:
+                break
+            self._promote_others(others)
         with self._lock:
             self.refresh()
             st = self._state
             if seq is not None and seq != st.seq:
                 return 0  # the head moved on; a later commit writes the next one
-            for m in st.manifests_since_checkpoint:
-                if m.txn not in self._promoted:  # committed since the look above
-                    self._promote(m)
+            while late := self._unpromoted():  # a refresh in there may bring more
+                self._promote_others(late)
             sink = pa.BufferOutputStream()
             table = st.segments_table()
             with pa.ipc.new_file(sink, table.schema) as w:

@@ -12,7 +12,7 @@ that commit's promotion, as any staging area does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from poimen_data.storage import Storage
@@ -45,13 +45,11 @@ class Packs:
     ``found`` are the packs that were there (or that the caller wrote and handed over: one
     may be gone since), to remove once their pieces are durable."""
 
-    def __init__(self, storage: Storage, written: Mapping[str, bytes] | None = None,
-                 gone: Iterable[str] = ()) -> None:
+    def __init__(self, storage: Storage, written: Mapping[str, bytes] | None = None
+                 ) -> None:
         self._storage = storage
-        # ``written``: packs whose bytes the caller holds (it wrote them), read from there;
-        # ``gone``: packs the caller saw gone (not read again)
-        self._read: dict[str, bytes | None] = dict.fromkeys(gone)
-        self._read.update(written or {})
+        # ``written``: packs whose bytes the caller holds (it wrote them), read from there
+        self._read: dict[str, bytes | None] = dict(written or {})
 
     def body(self, piece: Piece) -> bytes | None:
         """The piece's bytes, or None when its pack is gone."""
