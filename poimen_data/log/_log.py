@@ -875,6 +875,34 @@ class EventLog:
             return
         self.write_checkpoint()
 
+    def _adopt_newer_checkpoint(self) -> None:
+        """Another process's checkpoint past ours (read from the pointer): its writer
+        promoted every commit it covers first, so none of them is looked at again here, and
+        the bodies it found lost are recorded lost here too, unless committed again since.
+        Two reads; one unreadable or damaged is passed over (everything is looked at)."""
+        try:
+            raw = self.storage.read_or_none(POINTER)
+            ck = 0 if raw is None else int(loads(raw, POINTER)["seq"])
+            with self._lock:
+                if ck <= self._state.checkpoint_seq:
+                    return
+            data = self.storage.read_or_none(checkpoint_path(ck))
+            if data is None:
+                return
+            lost = loads(data, checkpoint_path(ck)).get("lost", ())
+            with self._lock:
+                self.refresh()
+                st = self._state
+                covered = [m for m in st.manifests_since_checkpoint if m.seq <= ck]
+                since = {(b.tenant, b.sha256) for m in st.manifests_since_checkpoint
+                         if m.seq > ck for b in m.blobs if b.staged}
+                for t, sha, seq in lost:
+                    if (t, sha) not in since:
+                        st.lost.setdefault((t, sha), seq)
+                self._promoted.update(m.txn for m in covered)
+        except (CorruptionError, KeyError, ValueError, TypeError):
+            return
+
     def _unpromoted(self) -> list[Manifest]:
         with self._lock:
             return [m for m in self._state.manifests_since_checkpoint
@@ -899,6 +927,7 @@ class EventLog:
         """Write a checkpoint of the state at ``seq`` (default: head) once every commit it
         covers is promoted; point ``_last_checkpoint.json`` at it."""
         self.flush()
+        self._adopt_newer_checkpoint()
         # Commits not promoted by this process (other processes', and ours that staged no
         # body) are promoted here too, before the lock is taken: a request or two per body
         # of theirs, which would hold up this process's reads and transactions meanwhile.
