@@ -698,6 +698,50 @@ def group_commit_s3(ctx: Ctx) -> Result:
 # --- N writer processes on one log ------------------------------------------------------------
 
 
+@contextmanager
+def _children(what: str, argvs: list[list[str]], opts: dict[str, Any] | None
+              ) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A child of this module per argument list (``python -m poimen_data.bench._recorder
+    *argv``, the storage options in its environment), each ready (it printed ``ready``:
+    the rendezvous) when this yields; any still running on the way out is killed."""
+    env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts) if opts else "")
+    procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", *argv],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+             for argv in argvs]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"{what} failed: {p.communicate()[1].decode()[-500:]}")
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _release(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Send every child its ``go`` line, together."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+
+
+def _child_log(root: str) -> Any:
+    """The log of a child of ``_children``, opened with the storage options it was given."""
+    so = os.environ.get("POIMEN_BENCH_STORAGE_OPTIONS")
+    return _open(root, storage_options=json.loads(so) if so else None, create=False)
+
+
+def _rendezvous() -> None:
+    """A child's side: say ``ready``, then wait for the line that releases it."""
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+
+
 def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
              producers: int, server: Callable[[], float] | None = None
              ) -> dict[str, float]:
@@ -707,23 +751,11 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
     record (each from its release to its end, every thread) and the machine's busy cores
     (every process, ``busy_cores``) over the run; with ``server``, the moto child's clock
     (see ``moto_s3``), its CPU per record too (``server_ms_per_record``)."""
-    env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts) if opts else "")
-    procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", root,
-                               f"w{i}", str(records), str(producers)], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-             for i in range(n)]
-    try:
-        for p in procs:  # the rendezvous: every writer opened the log
-            assert p.stdout is not None
-            if p.stdout.readline() != b"ready\n":
-                raise RuntimeError(f"writer failed: {p.communicate()[1].decode()[-500:]}")
+    argvs = [[root, f"w{i}", str(records), str(producers)] for i in range(n)]
+    with _children("writer", argvs, opts) as procs:  # every writer opened the log
         cpu0 = None if server is None else server()
         t0, busy = time.perf_counter(), _BusyCores()
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write(b"go\n")
-            p.stdin.flush()
+        _release(procs)
         retries = publishes = requests = 0
         writers_cpu = 0.0
         for p in procs:
@@ -736,10 +768,6 @@ def _writers(root: str, opts: dict[str, Any] | None, n: int, records: int,
             requests = -1 if int(req) < 0 or requests < 0 else requests + int(req)
         wall, busy_cores = time.perf_counter() - t0, busy.end()
         cpu1 = None if server is None else server()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     rates = {"records_per_s": n * records / wall, "publishes_per_s": publishes / wall,
              "retries_per_publish": retries / publishes, "wall_s": wall,
              "writers_ms_per_record": writers_cpu / (n * records) * 1e3}
@@ -864,12 +892,9 @@ def _heads_main(root: str, seconds: float, threads: int) -> None:
     """A client of ``_ceiling``: prints ``ready``, waits for a line, then HEADs the log's
     ``_poimen.json`` from ``threads`` threads for ``seconds``; prints how many it made and
     the seconds it took (exits 1, printing nothing, when a thread failed)."""
-    so = os.environ.get("POIMEN_BENCH_STORAGE_OPTIONS")
-    st = _open(root, storage_options=json.loads(so) if so else None, create=False).storage
+    st = _child_log(root).storage
     st.exists("_poimen.json")  # connected
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    sys.stdin.readline()
+    _rendezvous()
     t0 = time.monotonic()
     end = t0 + seconds
     counts = [0] * threads
@@ -902,22 +927,10 @@ def _ceiling(ctx: Ctx, root: str, opts: dict[str, Any], server: Callable[[], flo
     for a few seconds. Requests/s, the server's cores (its own clock) and the machine's."""
     procs_n, threads = CEILING_CLIENTS
     seconds = CEILING_S[ctx.quick]
-    env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts))
-    procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", "--heads",
-                               root, str(seconds), str(threads)], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-             for _ in range(procs_n)]
-    try:
-        for p in procs:  # the rendezvous: every client connected
-            assert p.stdout is not None
-            if p.stdout.readline() != b"ready\n":
-                raise RuntimeError(f"client failed: {p.communicate()[1].decode()[-500:]}")
+    argvs = [["--heads", root, str(seconds), str(threads)]] * procs_n
+    with _children("client", argvs, opts) as procs:  # every client connected
         cpu0, busy = server(), _BusyCores()
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write(b"go\n")
-            p.stdin.flush()
+        _release(procs)
         total, sending = 0, 0.0
         for p in procs:  # each client's count and the seconds it sent them in, read as it
             assert p.stdout is not None  # prints them: not its start-up or exit
@@ -928,10 +941,6 @@ def _ceiling(ctx: Ctx, root: str, opts: dict[str, Any], server: Callable[[], flo
         cpu1, busy_cores = server(), busy.end()
         for p in procs:
             p.communicate(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     ceiling = {"requests_per_s": total / sending, "server_cores": (cpu1 - cpu0) / sending}
     if busy_cores is not None:
         ceiling["busy_cores"] = busy_cores
@@ -942,8 +951,7 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
     """One writer process of ``s3_writers``: prints ``ready``, waits for a line, commits,
     prints its lost publish races, its publishes and the CPU seconds it spent since the
     line came (every thread, promotion's too)."""
-    so = os.environ.get("POIMEN_BENCH_STORAGE_OPTIONS")
-    log = _open(root, storage_options=json.loads(so) if so else None, create=False)
+    log = _child_log(root)
     from datetime import UTC, datetime
 
     from poimen_data.model._arrow import events_to_table
@@ -953,9 +961,7 @@ def _writer_main(root: str, who: str, records: int, producers: int) -> None:
     events_to_table(warm, [datetime.now(UTC)] * len(warm))
     log.refresh()
     requests = _count_requests(log.storage)
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    sys.stdin.readline()
+    _rendezvous()
     cpu0, requests0 = time.process_time(), (requests() if requests else 0)
     if producers:
         with log.recorder(max_delay_ms=5) as rec:

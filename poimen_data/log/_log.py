@@ -10,7 +10,6 @@ rolled forward by the next open. See README "Storage format" for the whole proto
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
 import logging
 import os
@@ -20,8 +19,8 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import Future, wait
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +69,8 @@ DEFAULT_CHECKPOINT_INTERVAL = 100
 CHECKPOINT_PASSES = 3
 MAX_COMMIT_ATTEMPTS = 10_000
 _logger = logging.getLogger("poimen_data")
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 _LIVE_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
 RETAINED_PACK_BYTES = 64 << 20  # packs kept in memory for their promotion, at most
 
@@ -766,11 +767,18 @@ class EventLog:
         return self._there([blob_path(*key) for key in keys])
 
     def _there(self, paths: list[str]) -> list[bool]:
-        """Whether each file is there: ``PIECE_POOL`` at a time on an object store."""
-        if len(paths) > 1 and self.storage.ambiguous_errors:
-            futures = [PIECE_POOL.submit(self.storage.exists, p) for p in paths]
+        """Whether each file is there (``_fan_out``)."""
+        return self._fan_out(self.storage.exists, paths)
+
+    def _fan_out(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """``fn`` of each item: ``PIECE_POOL`` at a time on an object store (each a request
+        that waits on the network), one after the other elsewhere. Every call has ended
+        when the first failure is raised."""
+        if len(items) > 1 and self.storage.ambiguous_errors:
+            futures = [PIECE_POOL.submit(fn, item) for item in items]
+            wait(futures)
             return [f.result() for f in futures]
-        return [self.storage.exists(p) for p in paths]
+        return [fn(item) for item in items]
 
     def _copy_out(self, pieces: list[tuple[str, bytes]]) -> None:
         """Write bodies copied out of a pack to ``blobs/``, durable before the pack goes:
@@ -780,15 +788,7 @@ class EventLog:
         batch = self.storage.durable_batch() if pieces and self.storage.durable else None
         try:
             durable = None if batch is None else False  # None: each write durable itself
-            if len(pieces) > 1 and self.storage.ambiguous_errors:
-                write = functools.partial(self.storage.write, durable=durable)
-                futures = [PIECE_POOL.submit(write, dst, data) for dst, data in pieces]
-                errors = [exc for f in futures if (exc := f.exception()) is not None]
-                if errors:
-                    raise errors[0]
-            else:
-                for dst, data in pieces:
-                    self.storage.write(dst, data, durable=durable)
+            self._fan_out(lambda piece: self.storage.write(*piece, durable=durable), pieces)
             if batch is not None:
                 batch.sync()
         finally:
