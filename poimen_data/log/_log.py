@@ -745,15 +745,16 @@ class EventLog:
         time on an object store): promoted by another process (its writer, a roll-forward,
         vacuum), reduced meanwhile, or lost (deleted by hand, or by ``vacuum(grace=0,
         force=True)`` under a live writer), which is an error for their readers only,
-        never for the log. Every body is looked for: one found in ``blobs/`` says nothing
-        of the others of its file (it may have been committed there by another commit)."""
+        never for the log. Every body is looked for, once however many commits carry it: one
+        found in ``blobs/`` says nothing of the others of its file (it may have been
+        committed there by another commit)."""
         first: dict[BlobKey, tuple[str, int]] = {}  # a body once, with its first commit
         for m, missing in found_gone:
             for key, f in missing:
                 if not self._state.is_reduced(key):  # reduced: its reducer removed it
                     first.setdefault(key, (f, m.seq))
         bodies = [(key, f, seq) for key, (f, seq) in first.items()]
-        there = self._exist([key for key, _f, _seq in bodies])
+        there = self._there([blob_path(*key) for key, _f, _seq in bodies])
         for (key, f, seq), found in zip(bodies, there, strict=True):
             if found:
                 continue
@@ -761,10 +762,6 @@ class EventLog:
                             "blobs/; reading it will fail", self.storage.url_of(f), seq)
             with self._lock:
                 self._state.lost.setdefault(key, seq)
-
-    def _exist(self, keys: list[BlobKey]) -> list[bool]:
-        """Whether each body is in ``blobs/`` (see ``_there``)."""
-        return self._there([blob_path(*key) for key in keys])
 
     def _there(self, paths: list[str]) -> list[bool]:
         """Whether each file is there (``_fan_out``)."""

@@ -45,8 +45,7 @@ class Packs:
     ``found`` are the packs that were there (or that the caller wrote and handed over: one
     may be gone since), to remove once their pieces are durable."""
 
-    def __init__(self, storage: Storage, written: Mapping[str, bytes] | None = None
-                 ) -> None:
+    def __init__(self, storage: Storage, written: Mapping[str, bytes] | None = None) -> None:
         self._storage = storage
         # ``written``: packs whose bytes the caller holds (it wrote them), read from there
         self._read: dict[str, bytes | None] = dict(written or {})
