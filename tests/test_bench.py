@@ -11,7 +11,9 @@ import hashlib
 import json
 import math
 import os
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from poimen_data.bench._recorder import (
     _BusyCores,
     _count_requests,
     _floor,
+    _line,
 )
 from poimen_data.bench._runner import Result, run, run_cli, scenario_names, write_json
 
@@ -211,6 +214,41 @@ def test_busy_cores_counts_at_least_this_process() -> None:
         return
     assert cores is not None
     assert 0.5 * cpu / wall <= cores <= (os.cpu_count() or 1), (cores, cpu, wall)
+
+
+def test_a_child_of_the_bench_that_stalls_fails_it_instead_of_stalling_it() -> None:
+    """A child that prints one line and then waits on its input forever (no sleep: a read
+    that never ends until it is killed): its first line is read, the second wait ends in
+    ``RuntimeError`` after the timeout, naming what was waited for. The waits run on a
+    thread, so that a wait that never ends fails this test instead of hanging it."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True);"
+                              " sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    got: list[Any] = []
+
+    def wait_twice() -> None:
+        got.append(_line(child, "a stalled child", timeout=60))
+        t0 = time.monotonic()
+        try:
+            _line(child, "a stalled child", timeout=0.5)
+        except RuntimeError as exc:
+            got.append(exc)
+        got.append(time.monotonic() - t0)
+
+    waiter = threading.Thread(target=wait_twice, daemon=True)
+    try:
+        waiter.start()
+        waiter.join(timeout=120)
+        assert not waiter.is_alive(), "a wait for a line did not end"
+        first, exc, waited = got
+        assert first == b"ready\n"
+        assert isinstance(exc, RuntimeError)
+        assert str(exc) == f"a stalled child: no answer from the child (pid {child.pid}) in 0.5 s"
+        assert waited >= 0.4
+        assert child.poll() is None  # it was waiting all along
+    finally:
+        child.kill()
+        child.communicate()
 
 
 def test_requests_are_counted_at_the_http_layer(s3: Any, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -596,6 +597,24 @@ def _atomic_conditional_put() -> None:
     S3Response.put_object = put_object  # type: ignore[method-assign,assignment]
 
 
+#: how long the bench waits for a line from one of its children at most (its start, its
+#: answer): a stalled child fails the bench instead of stalling it
+CHILD_LINE_S = 300.0
+
+
+def _line(child: subprocess.Popen[bytes], what: str, timeout: float = CHILD_LINE_S) -> bytes:
+    """The next line ``child`` prints (b"" once it closed its output), waited for at most
+    ``timeout`` seconds: ``RuntimeError`` naming ``what`` after that. The children print
+    whole lines, flushed, and nothing between them, so nothing is left buffered here
+    between two calls."""
+    assert child.stdout is not None
+    ready, _w, _x = select.select([child.stdout], [], [], timeout)
+    if not ready:
+        raise RuntimeError(f"{what}: no answer from the child (pid {child.pid}) in "
+                           f"{timeout:g} s")
+    return child.stdout.readline()
+
+
 def _start_moto() -> Any:
     """A started moto server on 127.0.0.1 (a free port), its request log quiet."""
     from moto.server import ThreadedMotoServer
@@ -626,10 +645,13 @@ def moto_s3(*, own_process: bool = False,
         child = subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder",
                                   "--moto"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  env=_child_env())
-        assert child.stdout is not None
-        line = child.stdout.readline()
+        try:
+            line = _line(child, "the moto server process")
+        except RuntimeError:
+            line = b""
         if not line.strip().isdigit():
             child.kill()
+            child.wait()
             raise RuntimeError("the moto server process did not start")
         host, port = "127.0.0.1", int(line)
         if clocks is not None:
@@ -664,10 +686,10 @@ def moto_s3(*, own_process: bool = False,
 
 def _ask_cpu(child: subprocess.Popen[bytes]) -> float:
     """The CPU seconds the moto child has used so far (see ``_moto_main``)."""
-    assert child.stdin is not None and child.stdout is not None
+    assert child.stdin is not None
     child.stdin.write(b"cpu\n")
     child.stdin.flush()
-    return float(child.stdout.readline())
+    return float(_line(child, "the moto server's CPU clock"))
 
 
 def _moto_main() -> None:
@@ -711,8 +733,7 @@ def _children(what: str, argvs: list[list[str]], opts: dict[str, Any] | None
              for argv in argvs]
     try:
         for p in procs:
-            assert p.stdout is not None
-            if p.stdout.readline() != b"ready\n":
+            if _line(p, f"{what} start") != b"ready\n":
                 raise RuntimeError(f"{what} failed: {p.communicate()[1].decode()[-500:]}")
         yield procs
     finally:
@@ -933,8 +954,8 @@ def _ceiling(ctx: Ctx, root: str, opts: dict[str, Any], server: Callable[[], flo
         _release(procs)
         total, sending = 0, 0.0
         for p in procs:  # each client's count and the seconds it sent them in, read as it
-            assert p.stdout is not None  # prints them: not its start-up or exit
-            line = p.stdout.readline().split()
+            # prints them: not its start-up or exit
+            line = _line(p, "client", seconds + CHILD_LINE_S).split()
             if len(line) != 2:
                 raise RuntimeError(f"client failed: {p.communicate()[1].decode()[-500:]}")
             total, sending = total + int(line[0]), max(sending, float(line[1]))
