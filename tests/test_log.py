@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -12,7 +13,7 @@ from conftest import Root, snapshot_files
 
 import poimen_data as pdm
 from poimen_data import events as E
-from poimen_data.log._manifest import blob_path, manifest_path
+from poimen_data.log._manifest import Manifest, blob_path, dumps, loads, manifest_path
 
 TS = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
@@ -254,6 +255,20 @@ def test_damaged_manifest_and_body_are_corruption(root: Root) -> None:
     log.storage.write(name, log.storage.read(name) + b"x")  # not restored: still damaged
     with pytest.raises(pdm.CorruptionError):
         root.open()
+
+
+@pytest.mark.parametrize("promoted", [[3], [0], ["1"], [1.0], 1, [True]])
+def test_a_manifest_announcing_what_is_not_an_earlier_seq_is_corruption(promoted: Any) -> None:
+    """``promoted`` lists seqs of earlier commits (ints from 1 to seq - 1); anything else,
+    with a valid checksum, is refused as damaged, naming the file."""
+    good = Manifest(seq=3, txn="0" * 32, kind="append", first_lsn=1, n_events=0,
+                    ts="2026-12-01T00:00:00+00:00", promoted=(1, 2))
+    assert Manifest.from_bytes(good.to_bytes(), "m3").promoted == (1, 2)
+    doc = loads(good.to_bytes(), "m3")
+    doc["promoted"] = promoted
+    with pytest.raises(pdm.CorruptionError, match=r"^m3: (promoted must list seqs of earlier "
+                                                  r"commits|missing or malformed field)"):
+        Manifest.from_bytes(dumps(doc), "m3")
 
 
 def test_damaged_body_is_corruption(root: Root) -> None:

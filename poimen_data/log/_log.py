@@ -20,6 +20,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import Future, wait
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -149,6 +150,9 @@ class _State:
         # for their readers only; a later commit of the same body repairs it
         self.lost: dict[BlobKey, int] = {}
         self.manifests_since_checkpoint: list[Manifest] = []
+        # seqs since the checkpoint that a later manifest of their writer says it promoted
+        # whole (its ``promoted``): a checkpoint does not look at them again
+        self.announced: set[int] = set()
         self.checkpoint_seq = 0
 
     @property
@@ -192,6 +196,7 @@ class _State:
         self.seq = m.seq
         self.lsn += m.n_events
         self.manifests_since_checkpoint.append(m)
+        self.announced.update(m.promoted)
 
     def is_reduced(self, key: BlobKey) -> bool:
         return key in self.reduced and key not in self.recommitted
@@ -283,6 +288,9 @@ class EventLog:
         self._pid = os.getpid()
         self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
+        # seqs of this process's commits promoted whole, for its next manifest to announce
+        # (``Manifest.promoted``): taken off once a manifest carrying them is published
+        self._to_announce: set[int] = set()
         self._promotions: list[Future[None]] = []
         self.blobs = FsBlobStore(self)
         self._load()
@@ -818,12 +826,21 @@ class EventLog:
     def _promote_commit(self, m: Manifest, keep_staging: bool,
                         packs: Mapping[str, bytes] | None = None,
                         release: bool = False) -> None:
+        """Promote a commit this process published; one found whole (no body gone from
+        its staging) is announced in this process's next manifest (``Manifest.promoted``),
+        so that another process's checkpoint does not look at it again."""
         try:
-            self._promote(m, packs)
+            missing = self._promote(m, packs, check=False)
         finally:
             if release:
                 _RETAINED.give(packs)
-        self._promoted.add(m.txn)
+        if missing:
+            self.refresh()  # once, after every look that found a body gone
+            self._check_missing([(m, missing)])
+        with self._lock:
+            self._promoted.add(m.txn)
+            if not missing:
+                self._to_announce.add(m.seq)
         if self.storage.has_directories and not keep_staging:  # S3 has no empty folders
             try:
                 self.storage.delete_tree(f"_staging/{m.txn}")
@@ -901,9 +918,12 @@ class EventLog:
             return
 
     def _unpromoted(self) -> list[Manifest]:
+        """Commits since the checkpoint that this process neither promoted nor read
+        announced as promoted whole by their writer (``Manifest.promoted``)."""
         with self._lock:
-            return [m for m in self._state.manifests_since_checkpoint
-                    if m.txn not in self._promoted]
+            st = self._state
+            return [m for m in st.manifests_since_checkpoint
+                    if m.txn not in self._promoted and m.seq not in st.announced]
 
     def _promote_others(self, ms: list[Manifest]) -> None:
         """Promote, before a checkpoint, the commits this process has not promoted (other
@@ -960,6 +980,7 @@ class EventLog:
                                                "version": FORMAT_VERSION, "seq": st.seq}))
             st.checkpoint_seq = st.seq
             st.manifests_since_checkpoint = []
+            st.announced = set()
             self._promoted.clear()
             st.pending = {}
             return st.seq
@@ -1014,7 +1035,12 @@ class EventLog:
                 if attempt and not ambiguous:
                     self.refresh()
                 seq, first = self._state.seq + 1, self._state.lsn + 1
+                self._to_announce = {s for s in self._to_announce
+                                     if s > self._state.checkpoint_seq}  # covered: drop
+                announce = tuple(sorted(self._to_announce))
                 m: Manifest = make(seq, first)
+                if announce:
+                    m = replace(m, promoted=announce)
                 data = m.to_bytes()
                 try:
                     won = self.storage.put_if_absent(manifest_path(seq), data)
@@ -1025,16 +1051,19 @@ class EventLog:
                     # retry loop here; what the seq holds says whether it may still land
                     there = self._look(m, exc)
                     if isinstance(there, Manifest):
+                        self._to_announce.difference_update(announce)
                         return there
                     if there:
                         raise  # another's: ours never lands there
                     raise self._in_doubt(m, exc) from exc
                 if won:
                     self._state.apply(m)
+                    self._to_announce.difference_update(announce)
                     return m
                 if ambiguous:
                     there = self._look(m, None)
                     if isinstance(there, Manifest):
+                        self._to_announce.difference_update(announce)
                         return there  # our own PUT, stored: no race was lost
                 self.publish_retries += 1
             _lost_race_pause(attempt, remote=ambiguous)

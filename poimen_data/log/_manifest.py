@@ -127,6 +127,10 @@ class Manifest:
     reduces: tuple[tuple[str, str], ...] = ()  # (tenant, sha256) of blob_reduced originals
     supersedes: tuple[str, ...] = ()  # compaction: segment paths it replaces
     extra: dict[str, Any] = field(default_factory=dict)
+    # seqs of earlier commits of the same writer whose bodies it has promoted, each one
+    # found whole (written to blobs/, durable, its staged files removed): a checkpoint
+    # need not look at them (written only when there are some: see README, step 6)
+    promoted: tuple[int, ...] = ()
 
     @property
     def last_lsn(self) -> int:
@@ -148,6 +152,7 @@ class Manifest:
             "reduces": [list(r) for r in self.reduces],
             "supersedes": list(self.supersedes),
             "extra": self.extra,
+            **({"promoted": list(self.promoted)} if self.promoted else {}),
         })
 
     @classmethod
@@ -163,9 +168,12 @@ class Manifest:
                 reduces=tuple((r[0], r[1]) for r in d["reduces"]),
                 supersedes=tuple(d["supersedes"]),
                 extra=d.get("extra", {}),
+                promoted=tuple(d.get("promoted", ())),
             )
         except (KeyError, TypeError, IndexError) as exc:
             raise CorruptionError(f"{name}: missing or malformed field {exc}") from None
+        if not all(type(s) is int and 0 < s < m.seq for s in m.promoted):
+            raise CorruptionError(f"{name}: promoted must list seqs of earlier commits")
         if m.last_lsn != d.get("last_lsn"):
             raise CorruptionError(f"{name}: last_lsn does not match first_lsn + n_events")
         return m
