@@ -40,8 +40,8 @@ SLOW_TESTS = frozenset({
 })
 #: The files holding the longest tests (measured: 3 to 5 minutes each on 2 cores), run
 #: first. CI gives each xdist worker whole files in the order collected (``--dist
-#: loadfile``): collected last, as their names sort, one of them ran alone at the end while
-#: the other worker idled, minutes of the suite's time.
+#: loadfile``): collected near the end, as its name sorts, test_state_layout.py ran alone
+#: at the end while the other worker idled, minutes of the suite's time.
 LONGEST_FIRST = ("test_state_layout.py", "test_bench.py")
 
 

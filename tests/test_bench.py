@@ -217,17 +217,19 @@ def test_busy_cores_counts_at_least_this_process() -> None:
 
 
 def test_a_child_of_the_bench_that_stalls_fails_it_instead_of_stalling_it() -> None:
-    """A child that prints one line and then waits on its input forever (no sleep: a read
-    that never ends until it is killed): its first line is read, the second wait ends in
-    ``RuntimeError`` after the timeout, naming what was waited for. The waits run on a
+    """A child started as the bench starts them (unbuffered) that prints two lines at once and
+    then waits on its input forever (no sleep: a read that never ends until it is killed):
+    both lines are read (nothing left buffered out of ``select``'s sight), the third wait
+    ends in ``RuntimeError`` after the timeout, naming what was waited for. The waits run on a
     thread, so that a wait that never ends fails this test instead of hanging it."""
-    child = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True);"
-                              " sys.stdin.read()"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('ready\\nmore',"
+                              " flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
     got: list[Any] = []
 
-    def wait_twice() -> None:
+    def wait_lines() -> None:
         got.append(_line(child, "a stalled child", timeout=60))
+        got.append(_line(child, "a stalled child", timeout=60))  # printed with the first
         t0 = time.monotonic()
         try:
             _line(child, "a stalled child", timeout=0.5)
@@ -235,13 +237,13 @@ def test_a_child_of_the_bench_that_stalls_fails_it_instead_of_stalling_it() -> N
             got.append(exc)
         got.append(time.monotonic() - t0)
 
-    waiter = threading.Thread(target=wait_twice, daemon=True)
+    waiter = threading.Thread(target=wait_lines, daemon=True)
     try:
         waiter.start()
         waiter.join(timeout=120)
         assert not waiter.is_alive(), "a wait for a line did not end"
-        first, exc, waited = got
-        assert first == b"ready\n"
+        first, second, exc, waited = got
+        assert (first, second) == (b"ready\n", b"more\n")
         assert isinstance(exc, RuntimeError)
         assert str(exc) == f"a stalled child: no answer from the child (pid {child.pid}) in 0.5 s"
         assert waited >= 0.4

@@ -1123,6 +1123,47 @@ def test_a_checkpoint_does_not_look_at_commits_their_writer_announced_promoted(
     assert a.lost_bodies() == lost and pdm.open_log(root).lost_bodies() == lost
 
 
+def test_a_promotion_that_failed_is_not_announced(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A promotion that raised (its bodies' writes to blobs/ failed) announces nothing: its
+    commit is looked at, and promoted, by another writer's checkpoint, and every body reads
+    back after a reopen."""
+    from poimen_data.log._staged import staged_file
+
+    root = str(tmp_path / "log")
+    a, b = pdm.open_log(root), pdm.open_log(root)
+    copy_out = b._copy_out
+
+    def failing_once(pieces: list[tuple[str, bytes]]) -> None:
+        if not failing_once.failed:  # type: ignore[attr-defined]
+            failing_once.failed = True  # type: ignore[attr-defined]
+            raise OSError(28, "No space left on device")
+        copy_out(pieces)
+
+    failing_once.failed = False  # type: ignore[attr-defined]
+    monkeypatch.setattr(b, "_copy_out", failing_once)
+    with pytest.raises(pdm.StorageError, match="promoting committed bodies failed"):
+        _windows(b, 0, 1)  # seq 1: its promotion fails (its flush raises it)
+    _windows(b, 1, 2)  # seqs 2 and 3, promoted whole
+    assert [b.read_manifest(s).promoted for s in (1, 2, 3)] == [(), (), (2,)]
+    m1 = b.read_manifest(1)
+    assert all(b.storage.exists(staged_file(x.staged)) for x in m1.blobs)  # still staged
+    looked = _looks_off_the_lock(a, monkeypatch)
+    assert a.write_checkpoint() == 3
+    # seqs 1 (its pack there: read and promoted here, none of its bodies looked for) and 3
+    # (gone: its 5 bodies looked for)
+    assert sorted(x for x in looked if x.startswith("exists")) == \
+        ["exists _staging"] * 2 + ["exists blobs"] * 5
+    assert {x for x in looked if not x.startswith("exists")} <= {"read _staging",
+                                                                  "read_or_none _staging"}
+    again = pdm.open_log(root)
+    assert again.lost_bodies() == {}
+    for x in m1.blobs:
+        assert again.blobs.get(E.BlobRef(x.tenant, x.sha256, x.size)) == \
+            b.storage.read(f"blobs/{x.tenant}/{x.sha256[:2]}/{x.sha256}")
+    assert not any(b.storage.exists(staged_file(x.staged)) for x in m1.blobs)
+
+
 def test_commits_landing_during_a_checkpoint_are_promoted_off_the_lock_too(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Commits another writer makes while a checkpoint looks for the staged files it knew

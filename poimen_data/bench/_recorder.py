@@ -604,9 +604,10 @@ CHILD_LINE_S = 300.0
 
 def _line(child: subprocess.Popen[bytes], what: str, timeout: float = CHILD_LINE_S) -> bytes:
     """The next line ``child`` prints (b"" once it closed its output), waited for at most
-    ``timeout`` seconds: ``RuntimeError`` naming ``what`` after that. The children print
-    whole lines, flushed, and nothing between them, so nothing is left buffered here
-    between two calls."""
+    ``timeout`` seconds: ``RuntimeError`` naming ``what`` after that. The children are
+    started unbuffered (``bufsize=0``): ``readline`` then reads one byte at a time and never
+    ahead, so a line printed together with the next leaves nothing buffered here that
+    ``select`` would not see."""
     assert child.stdout is not None
     ready, _w, _x = select.select([child.stdout], [], [], timeout)
     if not ready:
@@ -644,11 +645,13 @@ def moto_s3(*, own_process: bool = False,
     if own_process:
         child = subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder",
                                   "--moto"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 env=_child_env())
+                                 env=_child_env(), bufsize=0)
         try:
             line = _line(child, "the moto server process")
-        except RuntimeError:
-            line = b""
+        except RuntimeError as exc:
+            child.kill()
+            child.wait()
+            raise RuntimeError(f"the moto server process did not start: {exc}") from exc
         if not line.strip().isdigit():
             child.kill()
             child.wait()
@@ -729,7 +732,7 @@ def _children(what: str, argvs: list[list[str]], opts: dict[str, Any] | None
     env = _child_env(POIMEN_BENCH_STORAGE_OPTIONS=json.dumps(opts) if opts else "")
     procs = [subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder", *argv],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+                              stderr=subprocess.PIPE, bufsize=0)
              for argv in argvs]
     try:
         for p in procs:

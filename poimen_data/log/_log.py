@@ -507,6 +507,8 @@ class EventLog:
                 there = self._put_again(m)
             with self._lock:
                 self._unknown.pop(txn, None)
+                if isinstance(there, Manifest):  # announced by it: not again
+                    self._to_announce.difference_update(there.promoted)
             if not isinstance(there, Manifest):
                 return None
             self._settled_landed(there)  # ours, never promoted: this process saw it fail

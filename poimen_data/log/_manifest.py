@@ -127,9 +127,10 @@ class Manifest:
     reduces: tuple[tuple[str, str], ...] = ()  # (tenant, sha256) of blob_reduced originals
     supersedes: tuple[str, ...] = ()  # compaction: segment paths it replaces
     extra: dict[str, Any] = field(default_factory=dict)
-    # seqs of earlier commits of the same writer whose bodies it has promoted, each one
-    # found whole (written to blobs/, durable, its staged files removed): a checkpoint
-    # need not look at them (written only when there are some: see README, step 6)
+    # seqs of earlier commits of the same writer whose promotion it ran to the end and
+    # which found no body gone from staging (bodies kept for vacuum, reduced ones, stay
+    # there): a checkpoint need not look at them (written only when there are some: see
+    # README, step 6)
     promoted: tuple[int, ...] = ()
 
     @property
