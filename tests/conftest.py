@@ -38,10 +38,10 @@ SLOW_TESTS = frozenset({
     "test_values_commit_and_read_back_exactly_or_are_refused",
     "test_64_threads_and_64_tasks_commit_in_order_and_fold_like_one_by_one",
 })
-#: The files holding the longest tests (measured: 3 to 5 minutes each on 2 cores), run
+#: The files holding the longest tests (measured: 3.5 to 4.5 minutes each on 2 cores), run
 #: first. CI gives each xdist worker whole files in the order collected (``--dist
-#: loadfile``): collected near the end, as its name sorts, test_state_layout.py ran alone
-#: at the end while the other worker idled, minutes of the suite's time.
+#: loadfile``): collected near the end, as its name sorts, test_state_layout.py could be
+#: left running alone at the end while the other worker idled.
 LONGEST_FIRST = ("test_state_layout.py", "test_bench.py")
 
 

@@ -646,16 +646,16 @@ def moto_s3(*, own_process: bool = False,
         child = subprocess.Popen([sys.executable, "-m", "poimen_data.bench._recorder",
                                   "--moto"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  env=_child_env(), bufsize=0)
+        cause: RuntimeError | None = None
         try:
             line = _line(child, "the moto server process")
         except RuntimeError as exc:
-            child.kill()
-            child.wait()
-            raise RuntimeError(f"the moto server process did not start: {exc}") from exc
+            line, cause = b"", exc
         if not line.strip().isdigit():
             child.kill()
             child.wait()
-            raise RuntimeError("the moto server process did not start")
+            raise RuntimeError("the moto server process did not start"
+                               + (f": {cause}" if cause else "")) from cause
         host, port = "127.0.0.1", int(line)
         if clocks is not None:
             clocks.append(functools.partial(_ask_cpu, child))
