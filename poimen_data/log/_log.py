@@ -150,9 +150,6 @@ class _State:
         # for their readers only; a later commit of the same body repairs it
         self.lost: dict[BlobKey, int] = {}
         self.manifests_since_checkpoint: list[Manifest] = []
-        # seqs since the checkpoint that a later manifest of their writer says it promoted
-        # whole (its ``promoted``): a checkpoint does not look at them again
-        self.announced: set[int] = set()
         self.checkpoint_seq = 0
 
     @property
@@ -196,7 +193,6 @@ class _State:
         self.seq = m.seq
         self.lsn += m.n_events
         self.manifests_since_checkpoint.append(m)
-        self.announced.update(m.promoted)
 
     def is_reduced(self, key: BlobKey) -> bool:
         return key in self.reduced and key not in self.recommitted
@@ -696,9 +692,10 @@ class EventLog:
         once they are durable the pack is removed, unless it holds a body ever reduced
         (vacuum's, then, as for the staging area ``keep_staging`` keeps).
 
-        ``gone``: staged files the caller saw gone already (not looked for again). Bodies
-        found gone from staging are checked (``_check_missing``); with ``check=False``
-        they are returned for the caller to check, with those of other manifests.
+        ``gone``: staged files the caller saw gone already (not looked for again). Returns
+        the bodies found gone from staging (each with its staged file), checked here
+        (``_check_missing``) unless ``check=False``: the caller checks them then, with
+        those of other manifests.
         """
         packs = Packs(self.storage, written)
         kept: set[str] = set()
@@ -746,7 +743,7 @@ class EventLog:
         for f in packs.found:
             if f not in kept:
                 self.storage.delete(f, check=False)  # read or written: no probe first
-        return [] if check else missing
+        return missing
 
     def _check_missing(self, found_gone: list[tuple[Manifest, list[tuple[BlobKey, str]]]]
                        ) -> None:
@@ -832,13 +829,10 @@ class EventLog:
         its staging) is announced in this process's next manifest (``Manifest.promoted``),
         so that another process's checkpoint does not look at it again."""
         try:
-            missing = self._promote(m, packs, check=False)
+            missing = self._promote(m, packs)
         finally:
             if release:
                 _RETAINED.give(packs)
-        if missing:
-            self.refresh()  # once, after every look that found a body gone
-            self._check_missing([(m, missing)])
         with self._lock:
             self._promoted.add(m.txn)
             if not missing:
@@ -923,9 +917,9 @@ class EventLog:
         """Commits since the checkpoint that this process neither promoted nor read
         announced as promoted whole by their writer (``Manifest.promoted``)."""
         with self._lock:
-            st = self._state
-            return [m for m in st.manifests_since_checkpoint
-                    if m.txn not in self._promoted and m.seq not in st.announced]
+            ms = self._state.manifests_since_checkpoint
+            announced = {s for m in ms for s in m.promoted}
+            return [m for m in ms if m.txn not in self._promoted and m.seq not in announced]
 
     def _promote_others(self, ms: list[Manifest]) -> None:
         """Promote, before a checkpoint, the commits this process has not promoted (other
@@ -982,7 +976,6 @@ class EventLog:
                                                "version": FORMAT_VERSION, "seq": st.seq}))
             st.checkpoint_seq = st.seq
             st.manifests_since_checkpoint = []
-            st.announced = set()
             self._promoted.clear()
             st.pending = {}
             return st.seq
