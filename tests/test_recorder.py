@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -956,33 +957,77 @@ def test_vacuum_makes_copies_durable_before_it_removes_a_pack(
     assert "syncfs" in calls[:calls.index("unlink pack")]
 
 
-def test_a_window_resolves_before_its_commit_checkpoints(tmp_path: Path) -> None:
-    """The commit at a checkpoint seq waits for every promotion of the process before it
-    writes the checkpoint; a window's producers do not wait with it: their futures resolve
-    at the publish (here the promotion thread is held, so the checkpoint cannot finish)."""
+def test_windows_commit_on_while_the_checkpoint_owed_waits_for_promotions(
+        tmp_path: Path) -> None:
+    """The commit at a checkpoint seq owes a checkpoint, which waits for the promotions of
+    the commits it covers; neither the window's producers nor the next window wait with
+    it: the futures resolve at the publish, and the committer publishes on (here the
+    promotion thread is held). The checkpoint is then written at the owing seq, behind
+    the head, with exactly the bytes a log that ended there writes; ``flush`` waits for
+    it."""
+    import shutil
     import threading
 
-    from poimen_data.log._manifest import checkpoint_path
+    from poimen_data.log._manifest import POINTER, checkpoint_path, manifest_path
     from poimen_data.storage import PROMOTE_POOL
 
     log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
-    bodies = [b"first prompt " * 30, b"second prompt " * 30]
+    bodies = [f"prompt {i} ".encode() * 30 for i in range(3)]
     refs = [blob_ref("acme", b) for b in bodies]
     gate = threading.Event()
     held = PROMOTE_POOL.submit(gate.wait)
     rec = log.recorder(max_delay_ms=0)
     try:
-        infos = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1, prompt=r)],
-                            blobs={r: b}).result(timeout=30)
-                 for i, (r, b) in enumerate(zip(refs, bodies, strict=True))]
-        assert [i.seq for i in infos] == [1, 2]
-        assert not log.storage.exists(checkpoint_path(2))  # still waiting for promotions
+        seqs = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1, prompt=r)],
+                           blobs={r: b}).result(timeout=60).seq
+                for i, (r, b) in enumerate(zip(refs, bodies, strict=True))]
+        assert seqs == [1, 2, 3]  # the third while seq 2's checkpoint waits
+        assert log.storage.read_or_none(POINTER) is None
     finally:
         gate.set()
         held.result(timeout=60)
-        rec.close()
-    assert log.storage.exists(checkpoint_path(2))
-    assert [pdm.open_log(str(tmp_path / "log")).blobs.get(r) for r in refs] == bodies
+    rec.flush()
+    assert json.loads(log.storage.read(POINTER))["seq"] == 2
+    assert log.head_seq == 3
+    rec.close()
+    ck = checkpoint_path(2)
+    seg = json.loads(log.storage.read(ck))["segments_file"]["path"]
+    # the same log, ended at seq 2: its checkpoint there, written at the head
+    shutil.copytree(tmp_path / "log", tmp_path / "ended")
+    ended = pdm.open_log(str(tmp_path / "ended"))
+    for name in (POINTER, ck, seg, manifest_path(3)):
+        ended.storage.delete(name)
+    ended = pdm.open_log(str(tmp_path / "ended"))
+    assert ended.head_seq == 2 and ended.write_checkpoint() == 2
+    assert [ended.storage.read(f) for f in (ck, seg)] == [log.storage.read(f)
+                                                           for f in (ck, seg)]
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again.head_seq == 3 and again.read_events().num_rows == 3
+    assert [again.blobs.get(r) for r in refs] == bodies
+
+
+def test_a_checkpoint_behind_the_head_skips_what_a_later_commit_compacted(
+        tmp_path: Path) -> None:
+    """A checkpoint at a seq behind the head is the head's state with the later commits
+    left out. Another process's compaction after that seq cannot be left out that way
+    (the segments it replaced are gone from the state): no checkpoint is written there
+    (one would list none of the compacted events), and the head's can be."""
+    from poimen_data.log._manifest import POINTER, checkpoint_path
+
+    a = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=1000)
+    for i in range(4):
+        with a.transaction() as tx:
+            tx.append(E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1))
+    assert a.write_checkpoint(upto=2) == 2  # behind the head (4)
+    assert a.storage.exists(checkpoint_path(2))
+    b = pdm.open_log(str(tmp_path / "log"))  # the other process: compacts, checkpoints
+    assert pdm.compact(b, target_rows=50).rewritten == 4
+    assert json.loads(a.storage.read(POINTER))["seq"] == b.head_seq == 5
+    assert a.write_checkpoint(upto=3) == 0
+    assert not a.storage.exists(checkpoint_path(3))
+    assert a.write_checkpoint(upto=5) == 5
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again.read_events().num_rows == 4 and len(again.segments()) == 1
 
 
 _DEAD_WRITER = """

@@ -878,12 +878,15 @@ class EventLog:
     def _staging_files(self, txn: str) -> list[str]:
         return list(self.storage.walk_files(f"_staging/{txn}"))
 
+    def checkpoint_due(self, seq: int) -> bool:
+        """Whether the commit at ``seq`` owes a checkpoint: the writer of every
+        interval-th seq checkpoints the head (which busy concurrent writers may have moved
+        past its own seq: a checkpoint at any seq is valid)."""
+        return seq % self.checkpoint_interval == 0
+
     def _maybe_checkpoint(self, seq: int) -> None:
-        """The writer of every interval-th seq checkpoints the head (which busy concurrent
-        writers may have moved past its own seq: a checkpoint at any seq is valid)."""
-        if seq % self.checkpoint_interval:
-            return
-        self.write_checkpoint()
+        if self.checkpoint_due(seq):
+            self.write_checkpoint()
 
     def _adopt_newer_checkpoint(self) -> None:
         """Another process's checkpoint past ours (read from the pointer): its writer
@@ -913,13 +916,15 @@ class EventLog:
         except (CorruptionError, KeyError, ValueError, TypeError):
             return
 
-    def _unpromoted(self) -> list[Manifest]:
-        """Commits since the checkpoint that this process neither promoted nor read
-        announced as promoted whole by their writer (``Manifest.promoted``)."""
+    def _unpromoted(self, upto: int | None = None) -> list[Manifest]:
+        """Commits since the checkpoint (up to seq ``upto``) that this process neither
+        promoted nor read announced as promoted whole by their writer
+        (``Manifest.promoted``)."""
         with self._lock:
             ms = self._state.manifests_since_checkpoint
             announced = {s for m in ms for s in m.promoted}
-            return [m for m in ms if m.txn not in self._promoted and m.seq not in announced]
+            return [m for m in ms if m.txn not in self._promoted and m.seq not in announced
+                    and (upto is None or m.seq <= upto)]
 
     def _promote_others(self, ms: list[Manifest]) -> None:
         """Promote, before a checkpoint, the commits this process has not promoted (other
@@ -936,9 +941,18 @@ class EventLog:
             self._check_missing(found_gone)
         self._promoted.update(m.txn for m in ms)
 
-    def write_checkpoint(self, seq: int | None = None) -> int:
+    def write_checkpoint(self, seq: int | None = None, *, upto: int | None = None) -> int:
         """Write a checkpoint of the state at ``seq`` (default: head) once every commit it
-        covers is promoted; point ``_last_checkpoint.json`` at it."""
+        covers is promoted; point ``_last_checkpoint.json`` at it. Returns its seq, or 0
+        when nothing was written (see below; a later commit writes the next one).
+
+        ``upto``: a checkpoint at that seq (at most the head), written once the commits up
+        to it are promoted, without waiting for (or promoting) those after it: for a writer
+        that commits on while its checkpoint is written (a recorder, whose promotions run
+        150 ms and more behind its commits). Its state is the head's with the commits after
+        ``upto`` left out (``_state_at``); 0 when one of them compacted or reduced, or when
+        a checkpoint at or past ``upto`` was read meanwhile.
+        """
         self.flush()
         self._adopt_newer_checkpoint()
         # Commits not promoted by this process (other processes', and ours that staged no
@@ -951,7 +965,7 @@ class EventLog:
                 self.refresh()
                 if seq is not None and seq != self._state.seq:
                     return 0  # the head moved on; a later commit writes the next one
-                others = self._unpromoted()
+                others = self._unpromoted(upto)
             if not others:
                 break
             self._promote_others(others)
@@ -960,25 +974,57 @@ class EventLog:
             st = self._state
             if seq is not None and seq != st.seq:
                 return 0  # the head moved on; a later commit writes the next one
-            while late := self._unpromoted():  # a refresh in there may bring more
+            if upto is not None and st.checkpoint_seq >= upto:
+                return 0  # another process's checkpoint at or past it (adopted)
+            while late := self._unpromoted(upto):  # a refresh in there may bring more
                 self._promote_others(late)
+            at = st if upto is None or upto == st.seq else self._state_at(upto)
+            if at is None:
+                return 0
             sink = pa.BufferOutputStream()
-            table = st.segments_table()
+            table = at.segments_table()
             with pa.ipc.new_file(sink, table.schema) as w:
                 w.write_table(table)
             data = sink.getvalue().to_pybytes()
-            seg_path = checkpoint_path(st.seq).replace(".json", ".segments.arrow")
+            seg_path = checkpoint_path(at.seq).replace(".json", ".segments.arrow")
             self.storage.put_if_absent(seg_path, data)
-            doc = st.to_checkpoint({"path": seg_path, "size": len(data),
+            doc = at.to_checkpoint({"path": seg_path, "size": len(data),
                                     "sha256": hashlib.sha256(data).hexdigest()})
-            self.storage.put_if_absent(checkpoint_path(st.seq), dumps(doc))
+            self.storage.put_if_absent(checkpoint_path(at.seq), dumps(doc))
             self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
-                                               "version": FORMAT_VERSION, "seq": st.seq}))
-            st.checkpoint_seq = st.seq
-            st.manifests_since_checkpoint = []
-            self._promoted.clear()
-            st.pending = {}
-            return st.seq
+                                               "version": FORMAT_VERSION, "seq": at.seq}))
+            # what the checkpoint covers is promoted: only the commits after it are
+            # still looked at (a checkpoint, the next open's roll-forward)
+            after = [m for m in st.manifests_since_checkpoint if m.seq > at.seq]
+            st.checkpoint_seq = at.seq
+            st.manifests_since_checkpoint = after
+            self._promoted.intersection_update(m.txn for m in after)
+            st.pending = {(b.tenant, b.sha256): b.staged for m in after for b in m.blobs
+                          if b.staged is not None}
+            return at.seq
+
+    def _state_at(self, upto: int) -> _State | None:
+        """The state as of seq ``upto`` (lock held), as a checkpoint needs it: the head's,
+        with the commits after ``upto`` left out (their segments, events and lost bodies).
+        None when one of them compacted or reduced, or staged a body ever reduced: what
+        that changed cannot be taken back from here. A body recorded lost by a commit up
+        to ``upto`` and committed again after it is not in it (the commit after it repairs
+        it either way)."""
+        st = self._state
+        after = [m for m in st.manifests_since_checkpoint if m.seq > upto]
+        if any(m.supersedes or m.reduces
+               or any(b.staged is not None and (b.tenant, b.sha256) in st.reduced
+                      for b in m.blobs) for m in after):
+            return None
+        added = {s.path for m in after for s in m.segments}
+        at = _State()
+        at.seq = at.checkpoint_seq = upto
+        at.lsn = st.lsn - sum(m.n_events for m in after)
+        at._segments = {p: s for p, s in st.segments.items() if p not in added}
+        at.reduced = dict(st.reduced)
+        at.recommitted = dict(st.recommitted)
+        at.lost = {key: seq for key, seq in st.lost.items() if seq <= upto}
+        return at
 
     # -- publishing ---------------------------------------------------------------
 
