@@ -1006,28 +1006,30 @@ def test_windows_commit_on_while_the_checkpoint_owed_waits_for_promotions(
     assert [again.blobs.get(r) for r in refs] == bodies
 
 
-def test_a_checkpoint_behind_the_head_skips_what_a_later_commit_compacted(
+def test_a_checkpoint_behind_the_head_skips_what_a_later_commit_reduced(
         tmp_path: Path) -> None:
     """A checkpoint at a seq behind the head is the head's state with the later commits
-    left out. Another process's compaction after that seq cannot be left out that way
-    (the segments it replaced are gone from the state): no checkpoint is written there
-    (one would list none of the compacted events), and the head's can be."""
+    left out. Another process's reduction after that seq cannot be left out that way (the
+    state keeps only a body's latest reduction): no checkpoint is written there, and the
+    head's can be."""
     from poimen_data.log._manifest import POINTER, checkpoint_path
 
     a = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=1000)
-    for i in range(4):
+    bodies = [f"prompt {i} ".encode() * 30 for i in range(4)]
+    refs = []
+    for i, body in enumerate(bodies):
         with a.transaction() as tx:
-            tx.append(E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1))
+            refs.append(tx.put_blob("acme", body))
+            tx.append(E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1, prompt=refs[-1]))
     assert a.write_checkpoint(upto=2) == 2  # behind the head (4)
-    assert a.storage.exists(checkpoint_path(2))
-    b = pdm.open_log(str(tmp_path / "log"))  # the other process: compacts, checkpoints
-    assert pdm.compact(b, target_rows=50).rewritten == 4
-    assert json.loads(a.storage.read(POINTER))["seq"] == b.head_seq == 5
+    b = pdm.open_log(str(tmp_path / "log"))  # the other process: reduces (seq 5)
+    assert len(pdm.reduce(b, [refs[0]], lambda body: b"summary").reduced) == 1
     assert a.write_checkpoint(upto=3) == 0
     assert not a.storage.exists(checkpoint_path(3))
-    assert a.write_checkpoint(upto=5) == 5
+    assert json.loads(a.storage.read(POINTER))["seq"] == 2
+    assert a.write_checkpoint() == 5
     again = pdm.open_log(str(tmp_path / "log"))
-    assert again.read_events().num_rows == 4 and len(again.segments()) == 1
+    assert again.blobs.get(refs[0]) is None and again.blobs.get(refs[3]) == bodies[3]
 
 
 _DEAD_WRITER = """
@@ -1048,6 +1050,82 @@ with log.transaction() as tx:
     tx.extend([E.AttemptDispatched("acme", how, 0, "s", 0, i + 1, prompt=r)
                for i, r in enumerate(refs)])
 """
+
+
+def _held_recorder_windows(log: Any, n: int) -> tuple[Recorder, threading.Event, Future[Any]]:
+    """A recorder of ``log`` that has committed ``n`` one-body windows (seq 1 to n) with
+    the promotion thread held (so the checkpoint a window owes waits); the caller sets
+    the gate, then waits for the held task."""
+    from poimen_data.storage import PROMOTE_POOL
+
+    gate = threading.Event()
+    held = PROMOTE_POOL.submit(gate.wait)
+    rec = log.recorder(max_delay_ms=0)
+    for i in range(n):
+        body = f"held prompt {i} ".encode() * 30
+        ref = blob_ref("acme", body)
+        ev = E.AttemptDispatched("acme", f"h{i}", 0, "s", 0, 1, prompt=ref)
+        assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
+    return rec, gate, held
+
+
+def test_a_checkpoint_behind_the_head_leaves_later_commits_for_the_next(
+        proc_root: Root) -> None:
+    """After a checkpoint behind the head, the commits after it are still looked at: a
+    writer killed after its publish (seq 3, its pack in staging, never promoted) is
+    promoted by the next checkpoint, and a reader opening from that one finds its bodies."""
+    from poimen_data.log._manifest import POINTER
+
+    log = proc_root.open(checkpoint_interval=2)
+    rec, gate, held = _held_recorder_windows(log, 2)  # seq 2 owes a checkpoint
+    try:
+        dead = subprocess.run([sys.executable, "-c", _DEAD_WRITER, proc_root.url, "pack"],
+                              env=_env(proc_root, "manifest_published"),
+                              capture_output=True, timeout=120)
+        assert dead.returncode == 137, dead.stderr.decode()[-2000:]
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    rec.flush()
+    assert json.loads(log.storage.read(POINTER))["seq"] == 2 and log.head_seq == 3
+    body = b"after the checkpoint " * 30
+    ref = blob_ref("acme", body)
+    ev = E.AttemptDispatched("acme", "after", 0, "s", 0, 1, prompt=ref)
+    assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == 4
+    rec.close()  # seq 4's checkpoint written: it covers the dead writer's seq 3
+    assert json.loads(log.storage.read(POINTER))["seq"] == 4
+    assert list(log.storage.walk_files("_staging")) == []
+    reader = proc_root.open(read_only=True)
+    dead_refs = [E.event_from_row(r).prompt for r in reader.read_events().to_pylist()
+                 if r["run_id"] == "pack"]
+    assert len(dead_refs) == 4
+    assert [reader.blobs.get(r) for r in dead_refs] == \
+        [b"a body lost with its pack %d " % i * 40 for i in range(3)] + [b"body 0-0 " * 100]
+
+
+def test_a_checkpoint_behind_the_head_never_moves_the_pointer_back(
+        proc_root: Root) -> None:
+    """A recorder's checkpoint owed at seq 2 waits for promotions while another writer
+    commits on and checkpoints at seq 4: the pointer stays at 4, and none is written at 2."""
+    from poimen_data.log._manifest import POINTER, checkpoint_path
+
+    a = proc_root.open(checkpoint_interval=2)
+    b = proc_root.open()  # another writer, with a state of its own
+    rec, gate, held = _held_recorder_windows(a, 2)
+    try:
+        for i in range(2):  # seq 3 and 4 (no body: nothing to promote); 4 checkpoints
+            with b.transaction() as tx:
+                tx.append(E.AttemptDispatched("acme", f"b{i}", 0, "s", 0, 1))
+        assert json.loads(a.storage.read(POINTER))["seq"] == 4
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    rec.close()
+    assert json.loads(a.storage.read(POINTER))["seq"] == 4
+    assert not a.storage.exists(checkpoint_path(2))
+    with pytest.raises(pdm.ValidationError, match="upto must be a committed seq"):
+        a.write_checkpoint(upto=5)
+    assert json.loads(a.storage.read(POINTER))["seq"] == 4
 
 
 def _windows(log: Any, first: int, n: int) -> None:

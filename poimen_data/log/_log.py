@@ -880,28 +880,29 @@ class EventLog:
 
     def checkpoint_due(self, seq: int) -> bool:
         """Whether the commit at ``seq`` owes a checkpoint: the writer of every
-        interval-th seq checkpoints the head (which busy concurrent writers may have moved
-        past its own seq: a checkpoint at any seq is valid)."""
+        interval-th seq writes one, at the head (which busy concurrent writers may have
+        moved past its own seq: a checkpoint at any seq is valid), or at that seq for a
+        recorder (``write_checkpoint(upto=...)``)."""
         return seq % self.checkpoint_interval == 0
 
     def _maybe_checkpoint(self, seq: int) -> None:
         if self.checkpoint_due(seq):
             self.write_checkpoint()
 
-    def _adopt_newer_checkpoint(self) -> None:
+    def _adopt_newer_checkpoint(self) -> int:
         """Another process's checkpoint past ours (read from the pointer): its writer
         promoted every commit it covers first, so none of them is looked at again here, and
         the bodies it found lost are recorded lost here too, unless committed again since.
-        Two reads; one unreadable or damaged is passed over (everything is looked at)."""
+        Two reads; one unreadable or damaged is passed over (everything is looked at).
+        Returns the pointer's seq (0 when there is none, or it is unreadable)."""
+        ck = self._pointer_seq()
         try:
-            raw = self.storage.read_or_none(POINTER)
-            ck = 0 if raw is None else int(loads(raw, POINTER)["seq"])
             with self._lock:
                 if ck <= self._state.checkpoint_seq:
-                    return
+                    return ck
             data = self.storage.read_or_none(checkpoint_path(ck))
             if data is None:
-                return
+                return ck
             lost = loads(data, checkpoint_path(ck)).get("lost", ())
             with self._lock:
                 self.refresh()
@@ -914,7 +915,17 @@ class EventLog:
                         st.lost.setdefault((t, sha), seq)
                 self._promoted.update(m.txn for m in covered)
         except (CorruptionError, KeyError, ValueError, TypeError):
-            return
+            pass
+        return ck
+
+    def _pointer_seq(self) -> int:
+        """The seq ``_last_checkpoint.json`` points at; 0 when there is none, or it is
+        unreadable."""
+        try:
+            raw = self.storage.read_or_none(POINTER)
+            return 0 if raw is None else int(loads(raw, POINTER)["seq"])
+        except (CorruptionError, KeyError, ValueError, TypeError):
+            return 0
 
     def _unpromoted(self, upto: int | None = None) -> list[Manifest]:
         """Commits since the checkpoint (up to seq ``upto``) that this process neither
@@ -946,15 +957,26 @@ class EventLog:
         covers is promoted; point ``_last_checkpoint.json`` at it. Returns its seq, or 0
         when nothing was written (see below; a later commit writes the next one).
 
-        ``upto``: a checkpoint at that seq (at most the head), written once the commits up
-        to it are promoted, without waiting for (or promoting) those after it: for a writer
-        that commits on while its checkpoint is written (a recorder, whose promotions run
-        150 ms and more behind its commits). Its state is the head's with the commits after
-        ``upto`` left out (``_state_at``); 0 when one of them compacted or reduced, or when
-        a checkpoint at or past ``upto`` was read meanwhile.
+        ``upto``: a checkpoint at that committed seq, written once the commits up to it are
+        promoted, without promoting those after it (this process's promotions queued by
+        then are waited for, as always): for a writer that commits on while its
+        checkpoint is written (a recorder, whose promotions run 150 ms and more behind its
+        commits). Its state is the head's with the commits after ``upto`` left out
+        (``_state_at``); 0 when one of them compacted or reduced, or when this process's
+        checkpoint or the pointer is at or past ``upto`` already (the pointer never moves
+        back). ``ValidationError`` for a seq not committed.
+
+        The pointer is read again just before it is written, and not written when it is
+        at or past this checkpoint already (another process's, written meanwhile).
         """
+        if upto is not None:
+            with self._lock:
+                self.refresh()
+                if type(upto) is not int or not 0 < upto <= self._state.seq:
+                    raise ValidationError(f"write_checkpoint: upto must be a committed seq "
+                                          f"(1 to {self._state.seq}), got {upto!r}")
         self.flush()
-        self._adopt_newer_checkpoint()
+        pointed = self._adopt_newer_checkpoint()
         # Commits not promoted by this process (other processes', and ours that staged no
         # body) are promoted here too, before the lock is taken: a request or two per body
         # of theirs, which would hold up this process's reads and transactions meanwhile.
@@ -974,8 +996,8 @@ class EventLog:
             st = self._state
             if seq is not None and seq != st.seq:
                 return 0  # the head moved on; a later commit writes the next one
-            if upto is not None and st.checkpoint_seq >= upto:
-                return 0  # another process's checkpoint at or past it (adopted)
+            if upto is not None and max(st.checkpoint_seq, pointed) >= upto:
+                return 0  # ours, or another process's (the pointer), at or past it
             while late := self._unpromoted(upto):  # a refresh in there may bring more
                 self._promote_others(late)
             at = st if upto is None or upto == st.seq else self._state_at(upto)
@@ -991,8 +1013,10 @@ class EventLog:
             doc = at.to_checkpoint({"path": seg_path, "size": len(data),
                                     "sha256": hashlib.sha256(data).hexdigest()})
             self.storage.put_if_absent(checkpoint_path(at.seq), dumps(doc))
-            self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
-                                               "version": FORMAT_VERSION, "seq": at.seq}))
+            if self._pointer_seq() < at.seq:  # never back (another's, written meanwhile)
+                self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
+                                                   "version": FORMAT_VERSION,
+                                                   "seq": at.seq}))
             # what the checkpoint covers is promoted: only the commits after it are
             # still looked at (a checkpoint, the next open's roll-forward)
             after = [m for m in st.manifests_since_checkpoint if m.seq > at.seq]

@@ -531,17 +531,17 @@ class Recorder:
         if os.getpid() != self._pid:
             return
         with self._cond:
-            if self._closed and not self._gatherer.is_alive() \
-                    and not self._committer.is_alive():
-                return
-            self._closed = True
-            self._refuse_waiting()
-            self._cond.notify_all()
-            self._commit_cv.notify_all()
+            ended = self._closed and not self._gatherer.is_alive() \
+                and not self._committer.is_alive()  # closed before, or stopped
+            if not ended:
+                self._closed = True
+                self._refuse_waiting()
+                self._cond.notify_all()
+                self._commit_cv.notify_all()
         if threading.current_thread() not in self._threads:
             self._gatherer.join()
             self._committer.join()
-            self._join_checkpoint()
+            self._join_checkpoint()  # a checkpoint may still be written after a stop
         _LIVE.discard(self)
 
     # -- the gatherer: opens a window, stages each record's bodies and events into it ---
@@ -819,8 +819,14 @@ class Recorder:
         thread = threading.Thread(target=write, daemon=True,
                                   name="poimen-recorder-checkpoint")
         with self._cond:  # started before anyone can see it (a join before start raises)
-            thread.start()
-            self._checkpointing = thread
+            try:
+                thread.start()
+                started = True
+            except RuntimeError:  # at interpreter exit (3.12 starts no thread then)
+                started = False
+            self._checkpointing = thread if started else None
+        if not started:
+            write()
 
     def _join_checkpoint(self) -> None:
         """Wait for the checkpoint being written, if any (``flush``, ``close``)."""
