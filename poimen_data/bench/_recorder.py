@@ -343,6 +343,7 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
                            "floor_s": [], "floor_cpu_s": 0.0,
                            # the machine's busy cores times seconds, while each side ran
                            "ours_busy_s": 0.0, "floor_busy_s": 0.0, "busy_known": True}
+    logs = {name: _open(root(name), **open_kw) for name in ("ours", "ref")}
     for fn in (_grouped, _one_by_one):  # warm-up, untimed (first Arrow conversions)
         fn(_open(root(f"warm-{fn.__name__}"), **open_kw), 1)
     if floor:
@@ -351,7 +352,6 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     # producers"): the objects its imports made are left out of every later full
     # collection, which would otherwise stop all 64 producers for 70 to 80 ms once or
     # twice a run (the p99).
-    logs = {name: _open(root(name), **open_kw) for name in ("ours", "ref")}
     gc.collect()
     gc.freeze()
     try:

@@ -237,12 +237,12 @@ class Recorder:
 
     The checkpoint a window's commit owes (every ``checkpoint_interval``-th seq) waits for
     every promotion this process queued. Written by the committer as the commit's futures
-    resolved, it waited for the promotions running behind a busy committer (150 to 380 ms
+    resolved, it waited for the promotions running behind a busy committer (145 to 380 ms
     here), and every producer waited with it. It is written on a thread of its own, at the
-    window's seq, once the commits up to it are promoted, without waiting for those that
-    land meanwhile (``EventLog.write_checkpoint(upto=...)``); the
-    committer publishes on, and waits only for a checkpoint still being written when the
-    next one is owed. ``flush`` and ``close`` wait for it.
+    window's seq, once the commits up to it are promoted, without promoting those that
+    land meanwhile (``EventLog.write_checkpoint(upto=...)``); the committer publishes on,
+    and waits only for a checkpoint still being written when the next one is owed.
+    ``flush`` and ``close`` wait for it.
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
