@@ -1058,6 +1058,7 @@ def _held_recorder_windows(log: Any, n: int) -> tuple[Recorder, threading.Event,
     the gate, then waits for the held task."""
     from poimen_data.storage import PROMOTE_POOL
 
+    assert PROMOTE_POOL.workers == 1  # promotions queue behind the held task, in order
     gate = threading.Event()
     held = PROMOTE_POOL.submit(gate.wait)
     rec = log.recorder(max_delay_ms=0)
@@ -1126,6 +1127,64 @@ def test_a_checkpoint_behind_the_head_never_moves_the_pointer_back(
     with pytest.raises(pdm.ValidationError, match="upto must be a committed seq"):
         a.write_checkpoint(upto=5)
     assert json.loads(a.storage.read(POINTER))["seq"] == 4
+
+
+def test_a_pointer_past_every_commit_is_replaced_by_the_next_checkpoint(
+        tmp_path: Path) -> None:
+    """A checkpoint does not move the pointer back past another writer's, but a pointer
+    past every commit (a root restored from an older copy, or edited) names no state: the
+    next checkpoint replaces it, and opening reads that one."""
+    from poimen_data.log._manifest import POINTER, dumps, loads
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=1000)
+    for i in range(3):
+        with log.transaction() as tx:
+            tx.append(E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1))
+        if i == 1:
+            assert log.write_checkpoint() == 2
+            doc = loads(log.storage.read(POINTER), POINTER)  # intact, with its checksum
+            log.storage.write(POINTER, dumps({**doc, "seq": 500}))
+    assert log.write_checkpoint() == 3
+    assert json.loads(log.storage.read(POINTER))["seq"] == 3
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again._state.checkpoint_seq == 3 and again.read_events().num_rows == 3
+
+
+_CLOSED_IN_A_CALLBACK = """
+import sys, threading
+import poimen_data as pdm
+from poimen_data import events as E
+log = pdm.open_log(sys.argv[1])
+# a window per record, each closed by the next record (or by close): none commits alone
+rec = log.recorder(max_delay_ms=600_000, max_events=1, max_pending_events=100)
+handed, closed = threading.Event(), threading.Event()
+def close_it(fut):  # on the committer: once the others are handed over, close
+    handed.wait()
+    rec.close()
+    closed.set()
+first = rec.record([E.AttemptDispatched("acme", "r0", 0, "s", 0, 1)])
+first.add_done_callback(close_it)  # before r1 is handed over: r0 is not committed yet
+for i in range(1, 6):
+    rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1)])
+handed.set()
+closed.wait()
+print("exiting", flush=True)  # records 1 to 5 handed over, most not committed yet
+"""
+
+
+def test_a_recorder_closed_from_a_done_callback_is_still_drained_at_exit(
+        tmp_path: Path) -> None:
+    """``close`` from a done-callback cannot wait (it runs on the committer): the records
+    handed over before it are committed by the recorder's threads, and at interpreter exit
+    the recorder is drained like one left open, not dropped with them unresolved."""
+    root = tmp_path / "log"
+    pdm.open_log(str(root))
+    out = subprocess.run([sys.executable, "-c", _CLOSED_IN_A_CALLBACK, str(root)],
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == b"exiting\n", out.stderr.decode()[-2000:]
+    log = pdm.open_log(str(root))
+    assert sorted(log.read_events().column("run_id").to_pylist()) == \
+        [f"r{i}" for i in range(6)]
 
 
 def _windows(log: Any, first: int, n: int) -> None:

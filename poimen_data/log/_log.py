@@ -967,7 +967,10 @@ class EventLog:
         back). ``ValidationError`` for a seq not committed.
 
         The pointer is read again just before it is written, and not written when it is
-        at or past this checkpoint already (another process's, written meanwhile).
+        at or past this checkpoint already (another process's, written meanwhile) and
+        names a commit; one written between that read and the write may still be passed
+        back over (storage has no compare-and-swap), which costs a later open more
+        manifests to read, nothing else.
         """
         if upto is not None:
             with self._lock:
@@ -1013,7 +1016,13 @@ class EventLog:
             doc = at.to_checkpoint({"path": seg_path, "size": len(data),
                                     "sha256": hashlib.sha256(data).hexdigest()})
             self.storage.put_if_absent(checkpoint_path(at.seq), dumps(doc))
-            if self._pointer_seq() < at.seq:  # never back (another's, written meanwhile)
+            pointer = self._pointer_seq()
+            if pointer > st.seq:  # another writer's, past what this one read; or bogus
+                self.refresh()
+            # not back past another writer's, written meanwhile (storage has no
+            # compare-and-swap: one written between this read and the write can still
+            # be passed back over); one past every commit names none: replaced
+            if not at.seq <= pointer <= st.seq:
                 self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
                                                    "version": FORMAT_VERSION,
                                                    "seq": at.seq}))

@@ -542,7 +542,7 @@ class Recorder:
             self._gatherer.join()
             self._committer.join()
             self._join_checkpoint()  # a checkpoint may still be written after a stop
-        _LIVE.discard(self)
+            _LIVE.discard(self)  # from a done-callback: still drained at exit (_close_all)
 
     # -- the gatherer: opens a window, stages each record's bodies and events into it ---
 
