@@ -966,22 +966,13 @@ def test_windows_commit_on_while_the_checkpoint_owed_waits_for_promotions(
     the head, with exactly the bytes a log that ended there writes; ``flush`` waits for
     it."""
     import shutil
-    import threading
 
     from poimen_data.log._manifest import POINTER, checkpoint_path, manifest_path
-    from poimen_data.storage import PROMOTE_POOL
 
     log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
-    bodies = [f"prompt {i} ".encode() * 30 for i in range(3)]
-    refs = [blob_ref("acme", b) for b in bodies]
-    gate = threading.Event()
-    held = PROMOTE_POOL.submit(gate.wait)
-    rec = log.recorder(max_delay_ms=0)
+    # the third window commits while seq 2's checkpoint waits
+    rec, gate, held, bodies = _held_recorder_windows(log, 3)
     try:
-        seqs = [rec.record([E.AttemptDispatched("acme", f"r{i}", 0, "s", 0, 1, prompt=r)],
-                           blobs={r: b}).result(timeout=60).seq
-                for i, (r, b) in enumerate(zip(refs, bodies, strict=True))]
-        assert seqs == [1, 2, 3]  # the third while seq 2's checkpoint waits
         assert log.storage.read_or_none(POINTER) is None
     finally:
         gate.set()
@@ -1003,7 +994,7 @@ def test_windows_commit_on_while_the_checkpoint_owed_waits_for_promotions(
                                                            for f in (ck, seg)]
     again = pdm.open_log(str(tmp_path / "log"))
     assert again.head_seq == 3 and again.read_events().num_rows == 3
-    assert [again.blobs.get(r) for r in refs] == bodies
+    assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
 
 
 def test_a_checkpoint_behind_the_head_skips_what_a_later_commit_reduced(
@@ -1052,22 +1043,27 @@ with log.transaction() as tx:
 """
 
 
-def _held_recorder_windows(log: Any, n: int) -> tuple[Recorder, threading.Event, Future[Any]]:
+def _held_recorder_windows(log: Any, n: int
+                           ) -> tuple[Recorder, threading.Event, Future[Any], list[bytes]]:
     """A recorder of ``log`` that has committed ``n`` one-body windows (seq 1 to n) with
-    the promotion thread held (so the checkpoint a window owes waits); the caller sets
-    the gate, then waits for the held task."""
+    the promotion thread held (so the checkpoint a window owes waits), and their bodies;
+    the caller sets the gate, then waits for the held task (set here if a window fails)."""
     from poimen_data.storage import PROMOTE_POOL
 
     assert PROMOTE_POOL.workers == 1  # promotions queue behind the held task, in order
     gate = threading.Event()
     held = PROMOTE_POOL.submit(gate.wait)
     rec = log.recorder(max_delay_ms=0)
-    for i in range(n):
-        body = f"held prompt {i} ".encode() * 30
-        ref = blob_ref("acme", body)
-        ev = E.AttemptDispatched("acme", f"h{i}", 0, "s", 0, 1, prompt=ref)
-        assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
-    return rec, gate, held
+    bodies = [f"held prompt {i} ".encode() * 30 for i in range(n)]
+    try:
+        for i, body in enumerate(bodies):
+            ref = blob_ref("acme", body)
+            ev = E.AttemptDispatched("acme", f"h{i}", 0, "s", 0, 1, prompt=ref)
+            assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
+    except BaseException:
+        gate.set()  # the pool is this worker's: never leave it held
+        raise
+    return rec, gate, held, bodies
 
 
 def test_a_checkpoint_behind_the_head_leaves_later_commits_for_the_next(
@@ -1078,7 +1074,7 @@ def test_a_checkpoint_behind_the_head_leaves_later_commits_for_the_next(
     from poimen_data.log._manifest import POINTER
 
     log = proc_root.open(checkpoint_interval=2)
-    rec, gate, held = _held_recorder_windows(log, 2)  # seq 2 owes a checkpoint
+    rec, gate, held, _ = _held_recorder_windows(log, 2)  # seq 2 owes a checkpoint
     try:
         dead = subprocess.run([sys.executable, "-c", _DEAD_WRITER, proc_root.url, "pack"],
                               env=_env(proc_root, "manifest_published"),
@@ -1112,7 +1108,7 @@ def test_a_checkpoint_behind_the_head_never_moves_the_pointer_back(
 
     a = proc_root.open(checkpoint_interval=2)
     b = proc_root.open()  # another writer, with a state of its own
-    rec, gate, held = _held_recorder_windows(a, 2)
+    rec, gate, held, _ = _held_recorder_windows(a, 2)
     try:
         for i in range(2):  # seq 3 and 4 (no body: nothing to promote); 4 checkpoints
             with b.transaction() as tx:

@@ -963,8 +963,8 @@ class EventLog:
         checkpoint is written (a recorder, whose promotions run 150 ms and more behind its
         commits). Its state is the head's with the commits after ``upto`` left out
         (``_state_at``); 0 when one of them compacted or reduced, or when this process's
-        checkpoint or the pointer is at or past ``upto`` already (the pointer never moves
-        back). ``ValidationError`` for a seq not committed.
+        checkpoint or the pointer is at or past ``upto`` already. ``ValidationError`` for
+        a seq not committed.
 
         The pointer is read again just before it is written, and not written when it is
         at or past this checkpoint already (another process's, written meanwhile) and
@@ -1051,7 +1051,7 @@ class EventLog:
             return None
         added = {s.path for m in after for s in m.segments}
         at = _State()
-        at.seq = at.checkpoint_seq = upto
+        at.seq = upto
         at.lsn = st.lsn - sum(m.n_events for m in after)
         at._segments = {p: s for p, s in st.segments.items() if p not in added}
         at.reduced = dict(st.reduced)
