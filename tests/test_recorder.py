@@ -997,6 +997,49 @@ def test_windows_commit_on_while_the_checkpoint_owed_waits_for_promotions(
     assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
 
 
+def test_a_checkpoint_writes_its_files_while_this_process_commits_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's files are made durable without the log's lock: while the one seq 2
+    owes is held in the put of its file, the recorder's next window publishes (seq 3),
+    and a checkpoint at the head written meanwhile by another thread stays the log's:
+    the held one, let go, moves neither the pointer nor this log's checkpoint back."""
+    from poimen_data.log._manifest import POINTER, checkpoint_path
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    entered, gate = threading.Event(), threading.Event()
+    put = log.storage.put_if_absent
+
+    def held_put(rel: str, data: bytes) -> bool:
+        if rel == checkpoint_path(2):
+            entered.set()
+            assert gate.wait(timeout=120)
+        return put(rel, data)
+
+    monkeypatch.setattr(log.storage, "put_if_absent", held_put)
+    rec = log.recorder(max_delay_ms=0)
+    bodies = [f"prompt {i} ".encode() * 30 for i in range(3)]
+    try:
+        for i, body in enumerate(bodies[:2]):
+            ref = blob_ref("acme", body)
+            ev = E.AttemptDispatched("acme", f"c{i}", 0, "s", 0, 1, prompt=ref)
+            assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
+        assert entered.wait(timeout=60)  # seq 2's checkpoint, in the put of its file
+        ref = blob_ref("acme", bodies[2])
+        ev = E.AttemptDispatched("acme", "c2", 0, "s", 0, 1, prompt=ref)
+        assert rec.record([ev], blobs={ref: bodies[2]}).result(timeout=60).seq == 3
+        assert log.write_checkpoint() == 3  # at the head, from this thread
+        assert json.loads(log.storage.read(POINTER))["seq"] == 3
+    finally:
+        gate.set()
+    rec.close()  # waits for the held checkpoint
+    assert log.storage.exists(checkpoint_path(2))
+    assert json.loads(log.storage.read(POINTER))["seq"] == 3
+    assert log._state.checkpoint_seq == 3 and log._state.manifests_since_checkpoint == []
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again.head_seq == 3 and again.read_events().num_rows == 3
+    assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
+
+
 def test_a_checkpoint_behind_the_head_skips_what_a_later_commit_reduced(
         tmp_path: Path) -> None:
     """A checkpoint at a seq behind the head is the head's state with the later commits

@@ -966,6 +966,9 @@ class EventLog:
         checkpoint or the pointer is at or past ``upto`` already. ``ValidationError`` for
         a seq not committed.
 
+        The state and the bytes are taken under the log's lock; the files and the pointer
+        are written without it, so this process commits on meanwhile (the state's
+        checkpoint is moved on after them, unless another thread's went further meanwhile).
         The pointer is read again just before it is written, and not written when it is
         at or past this checkpoint already (another process's, written meanwhile) and
         names a commit; one written between that read and the write may still be passed
@@ -1006,35 +1009,46 @@ class EventLog:
             at = st if upto is None or upto == st.seq else self._state_at(upto)
             if at is None:
                 return 0
+            at_seq = at.seq
             sink = pa.BufferOutputStream()
             table = at.segments_table()
             with pa.ipc.new_file(sink, table.schema) as w:
                 w.write_table(table)
             data = sink.getvalue().to_pybytes()
-            seg_path = checkpoint_path(at.seq).replace(".json", ".segments.arrow")
-            self.storage.put_if_absent(seg_path, data)
+            seg_path = checkpoint_path(at_seq).replace(".json", ".segments.arrow")
             doc = at.to_checkpoint({"path": seg_path, "size": len(data),
                                     "sha256": hashlib.sha256(data).hexdigest()})
-            self.storage.put_if_absent(checkpoint_path(at.seq), dumps(doc))
-            pointer = self._pointer_seq()
-            if pointer > st.seq:  # another writer's, past what this one read; or bogus
-                self.refresh()
-            # not back past another writer's, written meanwhile (storage has no
-            # compare-and-swap: one written between this read and the write can still
-            # be passed back over); one past every commit names none: replaced
-            if not at.seq <= pointer <= st.seq:
-                self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
-                                                   "version": FORMAT_VERSION,
-                                                   "seq": at.seq}))
-            # what the checkpoint covers is promoted: only the commits after it are
-            # still looked at (a checkpoint, the next open's roll-forward)
-            after = [m for m in st.manifests_since_checkpoint if m.seq > at.seq]
-            st.checkpoint_seq = at.seq
+        # Written outside the lock: its files are made durable one after the other (four
+        # fsyncs and more on a local disk, a request each on an object store), and this
+        # process's commits, which take the lock to publish, go on meanwhile: the state
+        # and the doc above are a copy, at seq ``at_seq``.
+        self.storage.put_if_absent(seg_path, data)
+        self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
+        pointer = self._pointer_seq()
+        with self._lock:
+            if pointer > self._state.seq:  # another writer's, past what this one read;
+                self.refresh()               # or bogus
+            head = self._state.seq
+        # not back past another writer's, written meanwhile (storage has no
+        # compare-and-swap: one written between this read and the write can still be
+        # passed back over); one past every commit names none: replaced
+        if not at_seq <= pointer <= head:
+            self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
+                                               "version": FORMAT_VERSION,
+                                               "seq": at_seq}))
+        with self._lock:
+            st = self._state
+            if st.checkpoint_seq >= at_seq:
+                return at_seq  # another thread's checkpoint here got past it meanwhile
+            # what the checkpoint covers is promoted: only the commits after it are still
+            # looked at (a checkpoint, the next open's roll-forward)
+            after = [m for m in st.manifests_since_checkpoint if m.seq > at_seq]
+            st.checkpoint_seq = at_seq
             st.manifests_since_checkpoint = after
             self._promoted.intersection_update(m.txn for m in after)
             st.pending = {(b.tenant, b.sha256): b.staged for m in after for b in m.blobs
                           if b.staged is not None}
-            return at.seq
+            return at_seq
 
     def _state_at(self, upto: int) -> _State | None:
         """The state as of seq ``upto`` (lock held), as a checkpoint needs it: the head's,
