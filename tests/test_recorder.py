@@ -1040,6 +1040,84 @@ def test_a_checkpoint_writes_its_files_while_this_process_commits_on(
     assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
 
 
+def _two_windows(log: Any, rec: Recorder) -> list[bytes]:
+    """Seq 1 and 2 committed by ``rec``, a body each; returns the bodies."""
+    bodies = [f"prompt {i} ".encode() * 30 for i in range(2)]
+    for i, body in enumerate(bodies):
+        ref = blob_ref("acme", body)
+        ev = E.AttemptDispatched("acme", f"w{i}", 0, "s", 0, 1, prompt=ref)
+        assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
+    return bodies
+
+
+def test_close_after_a_stop_waits_for_the_checkpoint_owed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recorder whose threads stopped (its gatherer could not open a window) still has
+    the checkpoint seq 2 owed being written on its own thread: ``close`` waits for it."""
+    from poimen_data.log._manifest import POINTER, checkpoint_path
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    joining = threading.Event()  # someone waits for the checkpoint thread
+    join, put = threading.Thread.join, log.storage.put_if_absent
+
+    def watched_join(self: threading.Thread, timeout: float | None = None) -> None:
+        if self.name == "poimen-recorder-checkpoint":
+            joining.set()
+        join(self, timeout)
+
+    def held_put(rel: str, data: bytes) -> bool:
+        if rel == checkpoint_path(2):
+            assert joining.wait(timeout=60)
+        return put(rel, data)
+
+    monkeypatch.setattr(threading.Thread, "join", watched_join)
+    monkeypatch.setattr(log.storage, "put_if_absent", held_put)
+    rec = log.recorder(max_delay_ms=0)
+    _two_windows(log, rec)
+
+    def broken() -> Any:
+        raise RuntimeError("no transaction")
+
+    monkeypatch.setattr(log, "transaction", broken)  # the gatherer stops the recorder
+    ev = E.AttemptDispatched("acme", "stopped", 0, "s", 0, 1)
+    with pytest.raises(RuntimeError, match="no transaction"):
+        rec.record([ev]).result(timeout=60)
+    rec._gatherer.join()
+    rec._committer.join()
+    rec.close()
+    assert json.loads(log.storage.read(POINTER))["seq"] == 2
+    assert log.storage.exists(checkpoint_path(2))
+
+
+def test_the_checkpoint_owed_is_written_inline_when_no_thread_can_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At interpreter exit (Python 3.12 on) no thread starts: the committer then writes the
+    checkpoint its commit owed itself, and commits on."""
+    from poimen_data.log._manifest import POINTER
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    rec = log.recorder(max_delay_ms=0)  # its own threads started
+    start = threading.Thread.start
+    refused = []
+
+    def no_new_thread(self: threading.Thread) -> None:
+        if self.name == "poimen-recorder-checkpoint":
+            refused.append(self.name)
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_new_thread)
+    bodies = _two_windows(log, rec)
+    ev = E.AttemptDispatched("acme", "third", 0, "s", 0, 1)
+    assert rec.record([ev]).result(timeout=60).seq == 3
+    rec.close()
+    assert refused == ["poimen-recorder-checkpoint"]
+    assert json.loads(log.storage.read(POINTER))["seq"] == 2
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again.head_seq == 3 and again.read_events().num_rows == 3
+    assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
+
+
 def test_a_checkpoint_behind_the_head_skips_what_a_later_commit_reduced(
         tmp_path: Path) -> None:
     """A checkpoint at a seq behind the head is the head's state with the later commits
