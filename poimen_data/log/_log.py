@@ -1018,8 +1018,8 @@ class EventLog:
             seg_path = checkpoint_path(at_seq).replace(".json", ".segments.arrow")
             doc = at.to_checkpoint({"path": seg_path, "size": len(data),
                                     "sha256": hashlib.sha256(data).hexdigest()})
-        # Written outside the lock: its files are made durable one after the other (four
-        # fsyncs and more on a local disk, a request each on an object store), and this
+        # Written outside the lock: its files are made durable one after the other (two
+        # fsyncs each on a local disk, a request each on an object store), and this
         # process's commits, which take the lock to publish, go on meanwhile: the state
         # and the doc above are a copy, at seq ``at_seq``.
         self.storage.put_if_absent(seg_path, data)
