@@ -1031,13 +1031,74 @@ def test_a_checkpoint_writes_its_files_while_this_process_commits_on(
         assert json.loads(log.storage.read(POINTER))["seq"] == 3
     finally:
         gate.set()
-    rec.close()  # waits for the held checkpoint
+        rec.close()  # waits for the held checkpoint
     assert log.storage.exists(checkpoint_path(2))
     assert json.loads(log.storage.read(POINTER))["seq"] == 3
     assert log._state.checkpoint_seq == 3 and log._state.manifests_since_checkpoint == []
     again = pdm.open_log(str(tmp_path / "log"))
     assert again.head_seq == 3 and again.read_events().num_rows == 3
     assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
+
+
+class _WatchedLock:
+    """A lock that sets ``waiting`` when an acquire finds it held, before it blocks."""
+
+    def __init__(self, waiting: threading.Event) -> None:
+        self._lock, self._waiting = threading.Lock(), waiting
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._waiting.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_two_checkpoints_of_one_process_never_move_the_pointer_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint behind the head (seq 2) has read the pointer and is about to write it
+    when another thread of the same process writes one at the head (seq 3): the pointer
+    ends at 3, as a fresh open finds it."""
+    from poimen_data.log._log import commit_events
+    from poimen_data.log._manifest import POINTER
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=1000)
+    for i in range(2):
+        commit_events(log, [E.AttemptDispatched("acme", f"c{i}", 0, "s", 0, 1)])
+    held, go, progress = threading.Event(), threading.Event(), threading.Event()
+    read, reads = log._pointer_seq, []
+
+    def pointer_seq() -> int:
+        seq = read()
+        if threading.current_thread() is behind:
+            reads.append(seq)
+            if len(reads) == 2:  # its read just before its write
+                held.set()
+                assert go.wait(timeout=60)
+        return seq
+
+    def at_head() -> None:
+        assert log.write_checkpoint() == 3
+        progress.set()  # done (the code before: it passed the held one)
+
+    monkeypatch.setattr(log, "_pointer_seq", pointer_seq)
+    monkeypatch.setattr(log, "_pointer_lock", _WatchedLock(progress))  # ... or waiting
+    behind = threading.Thread(target=lambda: log.write_checkpoint(upto=2))
+    behind.start()
+    try:
+        assert held.wait(timeout=60)
+        commit_events(log, [E.AttemptDispatched("acme", "c2", 0, "s", 0, 1)])  # seq 3
+        head = threading.Thread(target=at_head)
+        head.start()
+        assert progress.wait(timeout=60)
+    finally:
+        go.set()
+    behind.join()
+    head.join()
+    assert reads == [0, 0]
+    assert json.loads(log.storage.read(POINTER))["seq"] == 3
+    assert pdm.open_log(str(tmp_path / "log"))._state.checkpoint_seq == 3
 
 
 def _two_windows(log: Any, rec: Recorder) -> list[bytes]:

@@ -114,6 +114,7 @@ def _forget_promotions() -> None:
     for log in list(_LIVE_LOGS):
         log._promotions = []
         log._lock = threading.RLock()
+        log._pointer_lock = threading.Lock()
     _RETAINED.forget()  # the parent's promotions hold those bytes, not the child's
 
 
@@ -281,6 +282,9 @@ class EventLog:
         # under and the manifest put there (see settle)
         self._unknown: dict[str, Manifest] = {}
         self._settling = threading.Lock()
+        # one checkpoint of this process at a time reads the pointer, then writes it (see
+        # write_checkpoint); commits never take it
+        self._pointer_lock = threading.Lock()
         self._pid = os.getpid()
         self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
@@ -968,7 +972,8 @@ class EventLog:
 
         The state and the bytes are taken under the log's lock; the files and the pointer
         are written without it, so this process commits on meanwhile (the state's
-        checkpoint is moved on after them, unless another thread's went further meanwhile).
+        checkpoint is moved on after them, unless another thread's went further meanwhile;
+        the pointer is read and written by one checkpoint of this process at a time).
         The pointer is read again just before it is written, and not written when it is
         at or past this checkpoint already (another process's, written meanwhile) and
         names a commit; one written between that read and the write may still be passed
@@ -1024,18 +1029,19 @@ class EventLog:
         # and the doc above are a copy, at seq ``at_seq``.
         self.storage.put_if_absent(seg_path, data)
         self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
-        pointer = self._pointer_seq()
-        with self._lock:
-            if pointer > self._state.seq:  # another writer's, past what this one read;
-                self.refresh()               # or bogus
-            head = self._state.seq
-        # not back past another writer's, written meanwhile (storage has no
-        # compare-and-swap: one written between this read and the write can still be
-        # passed back over); one past every commit names none: replaced
-        if not at_seq <= pointer <= head:
-            self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
-                                               "version": FORMAT_VERSION,
-                                               "seq": at_seq}))
+        with self._pointer_lock:  # not another checkpoint of this process in between
+            pointer = self._pointer_seq()
+            with self._lock:
+                if pointer > self._state.seq:  # another writer's, past what this one
+                    self.refresh()               # read; or bogus
+                head = self._state.seq
+            # not back past another writer's, written meanwhile (storage has no
+            # compare-and-swap: another process's written between this read and the write
+            # can still be passed back over); one past every commit names none: replaced
+            if not at_seq <= pointer <= head:
+                self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
+                                                   "version": FORMAT_VERSION,
+                                                   "seq": at_seq}))
         with self._lock:
             st = self._state
             if st.checkpoint_seq >= at_seq:
