@@ -1084,7 +1084,8 @@ def test_two_checkpoints_of_one_process_never_move_the_pointer_back(
 
     monkeypatch.setattr(log, "_pointer_seq", pointer_seq)
     monkeypatch.setattr(log, "_pointer_lock", _WatchedLock(progress))  # ... or waiting
-    behind = threading.Thread(target=lambda: log.write_checkpoint(upto=2))
+    written = []
+    behind = threading.Thread(target=lambda: written.append(log.write_checkpoint(upto=2)))
     behind.start()
     try:
         assert held.wait(timeout=60)
@@ -1096,12 +1097,12 @@ def test_two_checkpoints_of_one_process_never_move_the_pointer_back(
         go.set()
     behind.join()
     head.join()
-    assert reads == [0, 0]
+    assert reads == [0, 0] and written == [2]  # its files written, its pointer passed
     assert json.loads(log.storage.read(POINTER))["seq"] == 3
     assert pdm.open_log(str(tmp_path / "log"))._state.checkpoint_seq == 3
 
 
-def _two_windows(log: Any, rec: Recorder) -> list[bytes]:
+def _two_windows(rec: Recorder) -> list[bytes]:
     """Seq 1 and 2 committed by ``rec``, a body each; returns the bodies."""
     bodies = [f"prompt {i} ".encode() * 30 for i in range(2)]
     for i, body in enumerate(bodies):
@@ -1134,7 +1135,7 @@ def test_close_after_a_stop_waits_for_the_checkpoint_owed(
     monkeypatch.setattr(threading.Thread, "join", watched_join)
     monkeypatch.setattr(log.storage, "put_if_absent", held_put)
     rec = log.recorder(max_delay_ms=0)
-    _two_windows(log, rec)
+    _two_windows(rec)
 
     def broken() -> Any:
         raise RuntimeError("no transaction")
@@ -1168,7 +1169,7 @@ def test_the_checkpoint_owed_is_written_inline_when_no_thread_can_start(
         start(self)
 
     monkeypatch.setattr(threading.Thread, "start", no_new_thread)
-    bodies = _two_windows(log, rec)
+    bodies = _two_windows(rec)
     ev = E.AttemptDispatched("acme", "third", 0, "s", 0, 1)
     assert rec.record([ev]).result(timeout=60).seq == 3
     rec.close()

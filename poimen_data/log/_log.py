@@ -975,10 +975,10 @@ class EventLog:
         checkpoint is moved on after them, unless another thread's went further meanwhile;
         the pointer is read and written by one checkpoint of this process at a time).
         The pointer is read again just before it is written, and not written when it is
-        at or past this checkpoint already (another process's, written meanwhile) and
-        names a commit; one written between that read and the write may still be passed
-        back over (storage has no compare-and-swap), which costs a later open more
-        manifests to read, nothing else.
+        at or past this checkpoint already (another checkpoint's, written meanwhile) and
+        names a commit; one another process writes between that read and the write may
+        still be passed back over (storage has no compare-and-swap), which costs a later
+        open more manifests to read, nothing else.
         """
         if upto is not None:
             with self._lock:
