@@ -1102,16 +1102,6 @@ def test_two_checkpoints_of_one_process_never_move_the_pointer_back(
     assert pdm.open_log(str(tmp_path / "log"))._state.checkpoint_seq == 3
 
 
-def _two_windows(rec: Recorder) -> list[bytes]:
-    """Seq 1 and 2 committed by ``rec``, a body each; returns the bodies."""
-    bodies = [f"prompt {i} ".encode() * 30 for i in range(2)]
-    for i, body in enumerate(bodies):
-        ref = blob_ref("acme", body)
-        ev = E.AttemptDispatched("acme", f"w{i}", 0, "s", 0, 1, prompt=ref)
-        assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
-    return bodies
-
-
 def test_close_after_a_stop_waits_for_the_checkpoint_owed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A recorder whose threads stopped (its gatherer could not open a window) still has
@@ -1135,7 +1125,7 @@ def test_close_after_a_stop_waits_for_the_checkpoint_owed(
     monkeypatch.setattr(threading.Thread, "join", watched_join)
     monkeypatch.setattr(log.storage, "put_if_absent", held_put)
     rec = log.recorder(max_delay_ms=0)
-    _two_windows(rec)
+    _body_windows(rec, 2, "w")
 
     def broken() -> Any:
         raise RuntimeError("no transaction")
@@ -1169,7 +1159,7 @@ def test_the_checkpoint_owed_is_written_inline_when_no_thread_can_start(
         start(self)
 
     monkeypatch.setattr(threading.Thread, "start", no_new_thread)
-    bodies = _two_windows(rec)
+    bodies = _body_windows(rec, 2, "w")
     ev = E.AttemptDispatched("acme", "third", 0, "s", 0, 1)
     assert rec.record([ev]).result(timeout=60).seq == 3
     rec.close()
@@ -1226,6 +1216,17 @@ with log.transaction() as tx:
 """
 
 
+def _body_windows(rec: Recorder, n: int, run: str) -> list[bytes]:
+    """Seq 1 to ``n`` committed by ``rec`` (a fresh log's), a window of one body each;
+    returns the bodies."""
+    bodies = [f"{run} prompt {i} ".encode() * 30 for i in range(n)]
+    for i, body in enumerate(bodies):
+        ref = blob_ref("acme", body)
+        ev = E.AttemptDispatched("acme", f"{run}{i}", 0, "s", 0, 1, prompt=ref)
+        assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
+    return bodies
+
+
 def _held_recorder_windows(log: Any, n: int
                            ) -> tuple[Recorder, threading.Event, Future[Any], list[bytes]]:
     """A recorder of ``log`` that has committed ``n`` one-body windows (seq 1 to n) with
@@ -1237,12 +1238,8 @@ def _held_recorder_windows(log: Any, n: int
     gate = threading.Event()
     held = PROMOTE_POOL.submit(gate.wait)
     rec = log.recorder(max_delay_ms=0)
-    bodies = [f"held prompt {i} ".encode() * 30 for i in range(n)]
     try:
-        for i, body in enumerate(bodies):
-            ref = blob_ref("acme", body)
-            ev = E.AttemptDispatched("acme", f"h{i}", 0, "s", 0, 1, prompt=ref)
-            assert rec.record([ev], blobs={ref: body}).result(timeout=60).seq == i + 1
+        bodies = _body_windows(rec, n, "held")
     except BaseException:
         gate.set()  # the pool is this worker's: never leave it held
         raise

@@ -982,7 +982,8 @@ class EventLog:
         """
         if upto is not None:
             with self._lock:
-                self.refresh()
+                if type(upto) is int and upto > self._state.seq:
+                    self.refresh()  # a seq committed since this process last looked
                 if type(upto) is not int or not 0 < upto <= self._state.seq:
                     raise ValidationError(f"write_checkpoint: upto must be a committed seq "
                                           f"(1 to {self._state.seq}), got {upto!r}")

@@ -96,7 +96,9 @@ class Transaction:
     # Stage the bodies put before ``start_writes`` as one file, the pack (see ``_staged``):
     # the recorder's windows of many small bodies.
     pack_bodies: bool = False
-    defer_checkpoint: bool = False  # the caller checkpoints after the commit (``checkpoint``)
+    # the caller writes the checkpoint the commit owes (a recorder: behind the head, on a
+    # thread of its own, ``EventLog.write_checkpoint(upto=...)``)
+    defer_checkpoint: bool = False
 
     def __init__(self, log: LogInternals) -> None:
         self.log = log
@@ -394,13 +396,12 @@ class Transaction:
         except Exception as exc:  # noqa: BLE001
             _logger.warning("commit seq %d landed; promotion deferred: %s", m.seq, exc)
         if not self.defer_checkpoint:
-            self.checkpoint()
+            self._checkpoint()
         return self.commit_info
 
-    def checkpoint(self) -> None:
-        """Checkpoint the log if this commit's seq is a multiple of the interval (``commit``
-        does it, unless ``defer_checkpoint``: the recorder resolves its window's futures
-        first, since a checkpoint waits for every promotion of this process)."""
+    def _checkpoint(self) -> None:
+        """Checkpoint the log if this commit's seq is a multiple of the interval (unless
+        ``defer_checkpoint``)."""
         assert self.commit_info is not None and self.commit_info.seq is not None
         try:
             self.log.maybe_checkpoint(self.commit_info.seq)
