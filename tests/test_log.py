@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -301,6 +302,60 @@ def test_checkpoints_keep_open_flat_and_damaged_one_is_skipped(tmp_path) -> None
     third = pdm.open_log(str(tmp_path / "l"))
     assert third._state.checkpoint_seq == 10 and third.head == 25
     assert third.read_events().num_rows == 25
+
+
+def test_a_checkpoint_builds_its_segment_list_while_this_process_commits_on(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's segment list (a second's work at a million segments) is built
+    without the log's lock, from the segments taken under it: while the build of seq 2's
+    is held, another thread commits seq 3; the list lands as of seq 2, and the commit
+    after it is still read."""
+    import threading
+
+    from poimen_data.log import _log as log_module
+    from poimen_data.log._manifest import POINTER, checkpoint_path
+
+    log = pdm.open_log(str(tmp_path / "l"))
+    for i in range(2):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    entered, gate = threading.Event(), threading.Event()
+    build = log_module._segments_file_bytes
+
+    def held_build(live: Any) -> bytes:
+        entered.set()
+        assert gate.wait(timeout=120)
+        return build(live)
+
+    monkeypatch.setattr(log_module, "_segments_file_bytes", held_build)
+    written: list[int] = []
+    checkpoint = threading.Thread(target=lambda: written.append(log.write_checkpoint()))
+    checkpoint.start()
+    try:
+        assert entered.wait(timeout=60)  # seq 2's list, being built
+
+        def commit() -> None:
+            with log.transaction() as tx:
+                tx.append(E.RunStarted("acme", "r2", "wf"))
+
+        committer = threading.Thread(target=commit)
+        committer.start()
+        committer.join(timeout=60)
+        assert not committer.is_alive()  # it never waited for the build
+        assert log.head_seq == 3
+    finally:
+        gate.set()
+        checkpoint.join(timeout=120)
+    assert written == [2]
+    doc = json.loads(log.storage.read(checkpoint_path(2)))
+    assert doc["seq"] == 2 and doc["lsn"] == 2
+    listed = pa.ipc.open_file(pa.py_buffer(log.storage.read(doc["segments_file"]["path"])))
+    assert listed.read_all().column("first_lsn").to_pylist() == [1, 2]
+    assert json.loads(log.storage.read(POINTER))["seq"] == 2
+    assert [m.seq for m in log._state.manifests_since_checkpoint] == [3]
+    again = pdm.open_log(str(tmp_path / "l"))
+    assert again._state.checkpoint_seq == 2 and again.head_seq == 3
+    assert again.read_events().column("run_id").to_pylist() == ["r0", "r1", "r2"]
 
 
 def test_read_only_open_never_writes(tmp_path) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -213,18 +213,6 @@ class _State:
             doc["lost"] = sorted([t, sha, s] for (t, sha), s in self.lost.items())
         return doc
 
-    def segments_table(self) -> pa.Table:
-        segs = sorted(self.segments.values(), key=lambda s: s.first_lsn)
-        return pa.table({
-            "path": pa.array([s.path for s in segs], pa.string()),
-            "rows": pa.array([s.rows for s in segs], pa.int64()),
-            "size": pa.array([s.size for s in segs], pa.int64()),
-            "sha256": pa.array([s.sha256 for s in segs], pa.string()),
-            "first_lsn": pa.array([s.first_lsn for s in segs], pa.int64()),
-            "seq": pa.array([s.seq for s in segs], pa.int64()),
-            "has_lsn": pa.array([s.has_lsn for s in segs], pa.bool_()),
-        })
-
     @classmethod
     def from_checkpoint(cls, d: dict[str, Any],
                         loader: Callable[[], dict[str, SegmentInfo]]) -> _State:
@@ -237,6 +225,25 @@ class _State:
         st.recommitted = {(t, sha): (s, p) for t, sha, s, p in d["recommitted"]}
         st.lost = {(t, sha): s for t, sha, s in d.get("lost", ())}
         return st
+
+
+def _segments_file_bytes(live: Iterable[SegmentInfo]) -> bytes:
+    """A checkpoint's segment list (``_log/<seq>.checkpoint.segments.arrow``): the live
+    segments in LSN order, as one Arrow IPC file."""
+    segs = sorted(live, key=lambda s: s.first_lsn)
+    table = pa.table({
+        "path": pa.array([s.path for s in segs], pa.string()),
+        "rows": pa.array([s.rows for s in segs], pa.int64()),
+        "size": pa.array([s.size for s in segs], pa.int64()),
+        "sha256": pa.array([s.sha256 for s in segs], pa.string()),
+        "first_lsn": pa.array([s.first_lsn for s in segs], pa.int64()),
+        "seq": pa.array([s.seq for s in segs], pa.int64()),
+        "has_lsn": pa.array([s.has_lsn for s in segs], pa.bool_()),
+    })
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
 def _apply_segments(segments: dict[str, SegmentInfo], m: Manifest) -> None:
@@ -1016,18 +1023,20 @@ class EventLog:
             if at is None:
                 return 0
             at_seq = at.seq
-            sink = pa.BufferOutputStream()
-            table = at.segments_table()
-            with pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
-            data = sink.getvalue().to_pybytes()
-            seg_path = checkpoint_path(at_seq).replace(".json", ".segments.arrow")
-            doc = at.to_checkpoint({"path": seg_path, "size": len(data),
-                                    "sha256": hashlib.sha256(data).hexdigest()})
-        # Written outside the lock: its files are made durable one after the other (two
-        # fsyncs each on a local disk, a request each on an object store), and this
-        # process's commits, which take the lock to publish, go on meanwhile: the state
-        # and the doc above are a copy, at seq ``at_seq``.
+            # a copy of what the checkpoint holds, at ``at_seq``: the live segments (a
+            # list of references, not the table: building that and its bytes takes a
+            # second at a million segments, and this process's commits wait for the lock)
+            # and the document, whose segments_file is filled in below
+            live = list(at.segments.values())
+            doc = at.to_checkpoint({})
+        # Built and written outside the lock: the segment list's table, bytes and hash,
+        # then its files, made durable one after the other (two fsyncs each on a local
+        # disk, a request each on an object store), while this process's commits, which
+        # take the lock to publish, go on.
+        data = _segments_file_bytes(live)
+        seg_path = checkpoint_path(at_seq).replace(".json", ".segments.arrow")
+        doc["segments_file"] = {"path": seg_path, "size": len(data),
+                                "sha256": hashlib.sha256(data).hexdigest()}
         self.storage.put_if_absent(seg_path, data)
         self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
         with self._pointer_lock:  # not another checkpoint of this process in between
