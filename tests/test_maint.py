@@ -18,7 +18,7 @@ import poimen_data as pdm
 from poimen_data import events as E
 from poimen_data import synth
 from poimen_data.jobs._maint import lease
-from poimen_data.log._manifest import blob_path
+from poimen_data.log._manifest import POINTER, blob_path, checkpoint_path, dumps
 
 
 def _digest(t: pa.Table) -> str:
@@ -269,6 +269,50 @@ def test_vacuum_removes_temp_files_a_dead_writer_left_under_log(tmp_path: Path) 
     assert report.temp_files_removed == 2
     assert sorted(log.storage.list_dir("_log")) == before
     assert pdm.open_log(str(tmp_path / "log")).head == log.head
+
+
+def test_vacuum_keeps_the_two_newest_checkpoints_at_or_below_the_pointer(root: Root) -> None:
+    """Each checkpoint lists every live segment: kept for ever, a never-compacted log's
+    checkpoints grow with the square of its commits. Vacuum removes those below the two
+    newest at or below the pointer's seq, once older than grace; one past the pointer is
+    kept; opening still starts from the pointer's, and falls back to the one before it."""
+    log = root.open(checkpoint_interval=2)
+    for i in range(10):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    st = log.storage
+
+    def checkpoints() -> list[int]:
+        return sorted(int(n.split(".")[0]) for n in st.list_dir("_log")
+                      if n.endswith(".checkpoint.json"))
+
+    def files(seqs: list[int]) -> list[str]:
+        return [checkpoint_path(s)[:-len(".json")] + end for s in seqs
+                for end in (".json", ".segments.arrow")]
+
+    assert checkpoints() == [2, 4, 6, 8, 10]
+    report = pdm.vacuum(log, grace=3600)
+    assert (report.checkpoints_removed, report.kept_young) == (0, 6)  # young: 2, 4, 6
+    sizes = sum(st.size(p) or 0 for p in files([2, 4, 6]))
+    report = pdm.vacuum(log, grace=0)
+    assert (report.checkpoints_removed, report.bytes_removed) == (3, sizes)
+    assert checkpoints() == [8, 10] and all(st.exists(p) for p in files([8, 10]))
+    again = root.open()
+    assert (again._state.checkpoint_seq, again.head_seq) == (10, 10)
+    assert again.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(10)]
+    for i in range(10, 14):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    assert checkpoints() == [8, 10, 12, 14]
+    # a pointer behind the newest checkpoint (its writer's pointer not written yet)
+    st.write(POINTER, dumps({"format": "poimen-log", "version": 1, "seq": 12}))
+    assert pdm.vacuum(log, grace=0).checkpoints_removed == 1  # 8; 14 is past the pointer
+    assert checkpoints() == [10, 12, 14]
+    st.write(checkpoint_path(12), b"{garbage")  # the pointer's, damaged
+    third = root.open()
+    assert (third._state.checkpoint_seq, third.head_seq) == (10, 14)
+    assert third.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(14)]
+    _assert_consistent(third)
 
 
 def test_reduce_whose_summary_equals_another_reduced_body(tmp_path: Path) -> None:

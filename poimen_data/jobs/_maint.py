@@ -150,6 +150,7 @@ class VacuumReport:
     kept_young: int = 0  # files left because they are younger than the grace period
     state_files_removed: int = 0  # materialized-state files no pointer names
     temp_files_removed: int = 0  # temp files a writer died with under _log/
+    checkpoints_removed: int = 0  # checkpoints two newer ones superseded (see vacuum)
 
 
 def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
@@ -164,7 +165,15 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
       ``grace``). Manifests are never removed, and compacted segments keep every LSN, so
       ``at_lsn`` time travel reaches back to LSN 1 whatever vacuum removed;
     - bodies in ``blobs/`` that no manifest covers, or whose last mention is a reduction;
-    - temp files under ``_log/`` that a writer died with (before its link or rename).
+    - temp files under ``_log/`` that a writer died with (before its link or rename);
+    - checkpoints (``_log/<seq>.checkpoint.json`` and its segment list) below the two
+      newest at or below the pointer's seq (those above it are kept: their pointer may
+      be on its way). Each lists every live segment, so a log that is never compacted
+      would otherwise keep a number of rows growing with the square of its commits (2 GB
+      of checkpoints for 50,000 one-event commits). A reader never needs an old one:
+      opening starts from the pointer's (or the one before it, when that is damaged),
+      and a reader whose checkpoint went meanwhile rebuilds its segment list from the
+      manifests, which are never removed.
     ``grace=0`` removes all of that at once: safe only when no other writer is active.
     With a grace under ``WRITER_ACTIVE_S`` (10 s), vacuum refuses (``WritersActive``,
     nothing removed) while an uncommitted file younger than that exists: a writer may be
@@ -182,9 +191,11 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         staged_files = {txn: list(st.walk_files(f"_staging/{txn}")) for txn in staging}
         # temp files of a dead writer: a manifest's before its link, a pointer's or the
         # lease's before its rename (local disk only: S3 and memory write in one request)
+        log_names = st.list_dir("_log")
         temps = [] if not st.leaves_temp_files else (
             [n for n in st.list_dir("") if ".tmp-" in n]
-            + [f"_log/{n}" for n in st.list_dir("_log") if ".tmp-" in n])
+            + [f"_log/{n}" for n in log_names if ".tmp-" in n])
+        checkpoint_files = _superseded_checkpoints(log, log_names)
         seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
@@ -268,9 +279,41 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         state_removed = _vacuum_state(log, state_files, lambda p: old(p, grace))
         held.check()  # a live writer's temp file is younger than grace
         temps_removed = sum(st.delete(p) for p in temps if old(p, grace))
+        checkpoints = 0
+        for files in checkpoint_files:
+            held.check()
+            if not all(old(p, grace) for p in files):
+                young += len(files)
+                continue
+            for p in files:  # the document first: none names a segment list gone
+                nbytes += st.size(p) or 0
+                st.delete(p)
+            checkpoints += 1
         log.refresh()
     return VacuumReport(removed, promoted, segs, bodies, nbytes, young,
-                        state_files_removed=state_removed, temp_files_removed=temps_removed)
+                        state_files_removed=state_removed, temp_files_removed=temps_removed,
+                        checkpoints_removed=checkpoints)
+
+
+#: checkpoints vacuum keeps at or below the pointer's seq: the pointer's, and the one a
+#: reader falls back to when that one is damaged
+KEEP_CHECKPOINTS = 2
+
+
+def _superseded_checkpoints(log: EventLog, names: list[str]) -> list[list[str]]:
+    """The files of each checkpoint below the ``KEEP_CHECKPOINTS`` newest at or below the
+    pointer's seq (document first, then its segment list), from a listing of ``_log/``;
+    none when the pointer is missing or unreadable."""
+    by_seq: dict[int, list[str]] = {}
+    for n in names:
+        head, dot, rest = n.partition(".")
+        if dot and rest in ("checkpoint.json", "checkpoint.segments.arrow") \
+                and head.isdigit():
+            by_seq.setdefault(int(head), []).append(f"_log/{n}")
+    pointer = log._pointer_seq()
+    below = sorted(seq for seq in by_seq if seq <= pointer)
+    return [sorted(by_seq[seq], key=lambda p: not p.endswith(".json"))
+            for seq in below[:-KEEP_CHECKPOINTS]]
 
 
 def _note_pack(log: EventLog, key: tuple[str, str],
