@@ -300,6 +300,7 @@ def test_vacuum_keeps_the_two_newest_checkpoints_at_or_below_the_pointer(root: R
     again = root.open()
     assert (again._state.checkpoint_seq, again.head_seq) == (10, 10)
     assert again.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(10)]
+    early = root.open()  # at checkpoint 10, its segment list not read yet
     for i in range(10, 14):
         with log.transaction() as tx:
             tx.append(E.RunStarted("acme", f"r{i}", "wf"))
@@ -313,6 +314,10 @@ def test_vacuum_keeps_the_two_newest_checkpoints_at_or_below_the_pointer(root: R
     assert (third._state.checkpoint_seq, third.head_seq) == (10, 14)
     assert third.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(14)]
     _assert_consistent(third)
+    st.write(POINTER, dumps({"format": "poimen-log", "version": 1, "seq": 14}))
+    assert pdm.vacuum(log, grace=0).checkpoints_removed == 1 and checkpoints() == [12, 14]
+    # a reader whose checkpoint went rebuilds its segment list from the manifests
+    assert early.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(14)]
 
 
 def test_reduce_whose_summary_equals_another_reduced_body(tmp_path: Path) -> None:
