@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -318,6 +319,57 @@ def test_vacuum_keeps_the_two_newest_checkpoints_at_or_below_the_pointer(root: R
     assert pdm.vacuum(log, grace=0).checkpoints_removed == 1 and checkpoints() == [12, 14]
     # a reader whose checkpoint went rebuilds its segment list from the manifests
     assert early.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(14)]
+
+
+def test_vacuum_keeps_the_checkpoint_opening_falls_back_to(root: Root) -> None:
+    """When the pointer's checkpoint is damaged, opening tries the earlier multiples of
+    the interval: vacuum keeps the newest complete one of those, not a compaction's at
+    another seq, and a segment list whose document never landed counts for nothing (it
+    goes)."""
+    log = root.open(checkpoint_interval=4)
+
+    def commit(n: int) -> None:
+        for _ in range(n):
+            with log.transaction() as tx:
+                tx.append(E.RunStarted("acme", f"r{log.head_seq}", "wf"))
+
+    def checkpoints(end: str = ".checkpoint.json") -> list[int]:
+        return sorted(int(n.split(".")[0]) for n in log.storage.list_dir("_log")
+                      if n.endswith(end))
+
+    commit(9)
+    assert pdm.compact(log).seq == 10  # its checkpoint at 10, not a multiple of 4
+    commit(2)
+    assert checkpoints() == [4, 8, 10, 12]
+    assert pdm.vacuum(log, grace=0).checkpoints_removed == 2
+    assert checkpoints() == [8, 12] == checkpoints(".checkpoint.segments.arrow")
+    commit(4)  # checkpoint 16; 12's document lost (its put failed): a list alone
+    log.storage.delete(checkpoint_path(12))
+    assert pdm.vacuum(log, grace=0).checkpoints_removed == 1
+    assert checkpoints() == [8, 16] == checkpoints(".checkpoint.segments.arrow")
+    log.storage.write(checkpoint_path(16), b"{garbage")
+    again = root.open()
+    assert (again._state.checkpoint_seq, again.head_seq) == (8, 16)
+    assert again.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(9)] \
+        + [f"r{i}" for i in range(10, 16)]
+
+
+def test_vacuum_counts_a_checkpoints_grace_from_when_a_newer_one_superseded_it(
+        tmp_path: Path) -> None:
+    """A checkpoint written long ago but superseded a moment ago may still be what a
+    reader just opened at: grace runs from its successor's writing, not its own."""
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for i in range(10):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    long_ago = time.time() - 7200
+    for seq in (2, 4, 6):  # written two hours ago; 8 and 10 just now
+        for p in (checkpoint_path(seq), checkpoint_path(seq)[:-5] + ".segments.arrow"):
+            os.utime(log.storage.full(p), (long_ago, long_ago))
+    report = pdm.vacuum(log, grace=3600)
+    assert (report.checkpoints_removed, report.kept_young) == (2, 2)  # 2 and 4; 6 kept
+    assert sorted(int(n.split(".")[0]) for n in log.storage.list_dir("_log")
+                  if n.endswith(".checkpoint.json")) == [6, 8, 10]
 
 
 def test_reduce_whose_summary_equals_another_reduced_body(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from poimen_data.errors import (
 )
 from poimen_data.log import LEASE, lease, lease_holder
 from poimen_data.log._log import EventLog, LogLike, as_log
-from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path
+from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path, checkpoint_path
 from poimen_data.log._staged import Packs, piece_of
 from poimen_data.log._txn import now_iso
 from poimen_data.model import _events as ev
@@ -150,7 +150,7 @@ class VacuumReport:
     kept_young: int = 0  # files left because they are younger than the grace period
     state_files_removed: int = 0  # materialized-state files no pointer names
     temp_files_removed: int = 0  # temp files a writer died with under _log/
-    checkpoints_removed: int = 0  # checkpoints two newer ones superseded (see vacuum)
+    checkpoints_removed: int = 0  # checkpoints no reader falls back to (see vacuum)
 
 
 def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
@@ -166,14 +166,16 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
       ``at_lsn`` time travel reaches back to LSN 1 whatever vacuum removed;
     - bodies in ``blobs/`` that no manifest covers, or whose last mention is a reduction;
     - temp files under ``_log/`` that a writer died with (before its link or rename);
-    - checkpoints (``_log/<seq>.checkpoint.json`` and its segment list) below the two
-      newest at or below the pointer's seq (those above it are kept: their pointer may
-      be on its way). Each lists every live segment, so a log that is never compacted
-      would otherwise keep a number of rows growing with the square of its commits (2 GB
-      of checkpoints for 50,000 one-event commits). A reader never needs an old one:
-      opening starts from the pointer's (or the one before it, when that is damaged),
-      and a reader whose checkpoint went meanwhile rebuilds its segment list from the
-      manifests, which are never removed.
+    - checkpoints (``_log/<seq>.checkpoint.json`` and its segment list) superseded for
+      ``grace`` seconds, except the newest at or below the pointer's seq and the one
+      opening falls back to when that one is damaged (the newest below it at a multiple
+      of ``checkpoint_interval``); those past the pointer are kept (their pointer may be
+      on its way), and a segment list whose document never landed goes once older than
+      ``grace``. Each checkpoint lists every live segment, so a log that is never
+      compacted would otherwise keep a number of rows growing with the square of its
+      commits (1.92 GB of checkpoints for 50,509 one-event commits). No reader needs
+      another: one that opened at a checkpoint removed since rebuilds its segment list
+      from the manifests, which are never removed.
     ``grace=0`` removes all of that at once: safe only when no other writer is active.
     With a grace under ``WRITER_ACTIVE_S`` (10 s), vacuum refuses (``WritersActive``,
     nothing removed) while an uncommitted file younger than that exists: a writer may be
@@ -280,9 +282,11 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         held.check()  # a live writer's temp file is younger than grace
         temps_removed = sum(st.delete(p) for p in temps if old(p, grace))
         checkpoints = 0
-        for files in checkpoint_files:
+        for files, successor in checkpoint_files:
             held.check()
-            if not all(old(p, grace) for p in files):
+            # superseded for grace (a reader that opened at it meanwhile rebuilds its
+            # segment list from the manifests); a lone segment list, written for grace
+            if not old(successor or files[0], grace):
                 young += len(files)
                 continue
             for p in files:  # the document first: none names a segment list gone
@@ -295,25 +299,39 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
                         checkpoints_removed=checkpoints)
 
 
-#: checkpoints vacuum keeps at or below the pointer's seq: the pointer's, and the one a
-#: reader falls back to when that one is damaged
-KEEP_CHECKPOINTS = 2
-
-
-def _superseded_checkpoints(log: EventLog, names: list[str]) -> list[list[str]]:
-    """The files of each checkpoint below the ``KEEP_CHECKPOINTS`` newest at or below the
-    pointer's seq (document first, then its segment list), from a listing of ``_log/``;
-    none when the pointer is missing or unreadable."""
+def _superseded_checkpoints(log: EventLog, names: list[str]
+                            ) -> list[tuple[list[str], str | None]]:
+    """The checkpoints vacuum may remove, from a listing of ``_log/``: for each, its files
+    (document first, then its segment list) and the document of the next complete
+    checkpoint after it, whose age is how long it has been superseded (None for a segment
+    list without its document: its own age counts, a writer may be about to put it).
+    None when the pointer is missing or unreadable. Kept: every checkpoint past the
+    pointer (its pointer may be on its way), the newest complete one at or below it, and
+    the one ``EventLog._load_checkpoint`` falls back to when that one is damaged (the
+    newest complete one below it at a multiple of ``checkpoint_interval``: a compaction's,
+    or a busy writer's past the seq that owed it, is at another seq). A segment list
+    whose document never landed is never one of them."""
     by_seq: dict[int, list[str]] = {}
     for n in names:
         head, dot, rest = n.partition(".")
         if dot and rest in ("checkpoint.json", "checkpoint.segments.arrow") \
-                and head.isdigit():
+                and head.isascii() and head.isdigit():
             by_seq.setdefault(int(head), []).append(f"_log/{n}")
     pointer = log._pointer_seq()
-    below = sorted(seq for seq in by_seq if seq <= pointer)
-    return [sorted(by_seq[seq], key=lambda p: not p.endswith(".json"))
-            for seq in below[:-KEEP_CHECKPOINTS]]
+    complete = sorted(seq for seq, files in by_seq.items() if len(files) == 2)
+    at_or_below = [seq for seq in complete if seq <= pointer]
+    keep = set(at_or_below[-1:])
+    keep.update([seq for seq in at_or_below
+                 if seq < pointer and seq % log.checkpoint_interval == 0][-1:])
+    out: list[tuple[list[str], str | None]] = []
+    for seq in sorted(by_seq):
+        if seq > pointer or seq in keep:
+            continue
+        after = next((c for c in complete if c > seq), None)
+        out.append((sorted(by_seq[seq], key=lambda p: not p.endswith(".json")),
+                    None if len(by_seq[seq]) < 2 or after is None
+                    else checkpoint_path(after)))
+    return out
 
 
 def _note_pack(log: EventLog, key: tuple[str, str],

@@ -977,8 +977,9 @@ class EventLog:
         checkpoint or the pointer is at or past ``upto`` already. ``ValidationError`` for
         a seq not committed.
 
-        The state and the bytes are taken under the log's lock; the files and the pointer
-        are written without it, so this process commits on meanwhile (the state's
+        The live segments and the document are taken under the log's lock; the segment
+        list's bytes are built, and the files and the pointer written, without it, so this
+        process commits on meanwhile (the state's
         checkpoint is moved on after them, unless another thread's went further meanwhile;
         the pointer is read and written by one checkpoint of this process at a time).
         The pointer is read again just before it is written, and not written when it is
