@@ -1185,8 +1185,10 @@ class EventLog:
 
     #: set on first use (``scan`` keeps out of ``__init__``): the local segments whose
     #: bytes it checked against their manifest, and the remote segments' bytes it keeps
+    #: (with their total)
     _scan_checked: set[str]
     _scan_cache: dict[str, pa.Buffer]
+    _scan_cache_bytes: int
 
     def scan(self, at_lsn: int | None = None, min_lsn: int = 1, *,
              columns: Sequence[str] | None = None,
@@ -1283,9 +1285,11 @@ class EventLog:
         buf = cache.get(s.path)
         if buf is None:
             buf = pa.py_buffer(self._read_verified(s.path, s.size, s.sha256))
-            with self._lock:
-                if sum(b.size for b in cache.values()) + buf.size <= self.SCAN_CACHE_BYTES:
+            with self._lock:  # a running total: thousands of tiny segments fit in it
+                kept = self.__dict__.get("_scan_cache_bytes", 0)
+                if s.path not in cache and kept + buf.size <= self.SCAN_CACHE_BYTES:
                     cache[s.path] = buf
+                    self.__dict__["_scan_cache_bytes"] = kept + buf.size
         return buf
 
     #: bytes of remote segments ``scan`` keeps between scans (the rest is read again)
