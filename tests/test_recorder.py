@@ -1246,6 +1246,30 @@ def _held_recorder_windows(log: Any, n: int
     return rec, gate, held, bodies
 
 
+def test_the_committer_never_waits_for_a_checkpoint_and_the_newest_owed_follows(
+        tmp_path: Path) -> None:
+    """While seq 2's checkpoint waits for the held promotions, seqs 4 and 6 owe theirs:
+    the committer does not wait (windows 3 to 7 commit), and once the first is written
+    its thread writes the newest owed, at 6, passing 4 over."""
+    from poimen_data.log._manifest import POINTER, checkpoint_path
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    rec, gate, held, bodies = _held_recorder_windows(log, 7)
+    try:
+        assert log.head_seq == 7 and log.storage.read_or_none(POINTER) is None
+    finally:
+        gate.set()
+        held.result(timeout=60)
+    rec.flush()  # waits for both
+    assert json.loads(log.storage.read(POINTER))["seq"] == 6
+    assert [log.storage.exists(checkpoint_path(s)) for s in (2, 4, 6)] == [True, False, True]
+    rec.close()
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert (again._state.checkpoint_seq, again.head_seq) == (6, 7)
+    assert again.read_events().num_rows == 7
+    assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
+
+
 def test_a_checkpoint_behind_the_head_leaves_later_commits_for_the_next(
         proc_root: Root) -> None:
     """After a checkpoint behind the head, the commits after it are still looked at: a

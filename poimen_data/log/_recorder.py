@@ -241,8 +241,8 @@ class Recorder:
     here), and every producer waited with it. It is written on a thread of its own, at the
     window's seq, once the commits up to it are promoted, without promoting those that
     land meanwhile (``EventLog.write_checkpoint(upto=...)``); the committer publishes on,
-    and waits only for a checkpoint still being written when the next one is owed.
-    ``flush`` and ``close`` wait for it.
+    and never waits for it: the next one owed while it is written is written after it,
+    at the newest seq owed by then. ``flush`` and ``close`` wait for them.
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
@@ -299,6 +299,7 @@ class Recorder:
         self._contended = False  # the last publish lost a race to another writer
         self._retries = log.publish_retries
         self._checkpointing: threading.Thread | None = None  # see _start_checkpoint
+        self._owed = 0  # the newest seq owed a checkpoint while one is being written
         # bodies this recorder committed lately (the gatherer reads, the committer writes)
         self._known: OrderedDict[BlobKey, None] = OrderedDict()
         self._gatherer = threading.Thread(target=self._gather_loop, daemon=True,
@@ -803,18 +804,28 @@ class Recorder:
 
     def _start_checkpoint(self, seq: int) -> None:
         """Write the checkpoint a window's commit owes on a thread of its own (see the
-        class docstring), once the one before it is written. A failure is logged: a later
-        commit writes the next one."""
+        class docstring). While one is being written, a newer one owed is left to that
+        thread, which writes the newest owed once it is done (those between are passed
+        over: a checkpoint at any seq is valid): the committer never waits for a
+        checkpoint, whose promotions may run seconds behind a busy recorder. A failure is
+        logged: a later commit writes the next one."""
         with self._cond:
-            before = self._checkpointing
-        if before is not None:
-            before.join()
+            if self._checkpointing is not None:
+                self._owed = max(self._owed, seq)
+                return
 
         def write() -> None:
-            try:
-                self.log.write_checkpoint(upto=seq)
-            except Exception as exc:  # noqa: BLE001 - housekeeping a later commit redoes
-                _logger.warning("%s: checkpoint deferred: %s", self.log.root, exc)
+            upto = seq
+            while True:
+                try:
+                    self.log.write_checkpoint(upto=upto)
+                except Exception as exc:  # noqa: BLE001 - housekeeping a later one redoes
+                    _logger.warning("%s: checkpoint deferred: %s", self.log.root, exc)
+                with self._cond:  # one step with _start_checkpoint's look: none is lost
+                    if self._owed <= upto:
+                        self._checkpointing = None
+                        return
+                    upto, self._owed = self._owed, 0
 
         thread = threading.Thread(target=write, daemon=True,
                                   name="poimen-recorder-checkpoint")
