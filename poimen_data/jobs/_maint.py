@@ -305,7 +305,7 @@ def _superseded_checkpoints(log: EventLog, names: list[str]
     (document first, then its segment list) and the document of the next complete
     checkpoint after it, whose age is how long it has been superseded (None for a segment
     list without its document: its own age counts, a writer may be about to put it).
-    None when the pointer is missing or unreadable. Kept: every checkpoint past the
+    Nothing when the pointer is missing or unreadable. Kept: every checkpoint past the
     pointer (its pointer may be on its way), the newest complete one at or below it, and
     the one ``EventLog._load_checkpoint`` falls back to when that one is damaged (the
     newest complete one below it at a multiple of ``checkpoint_interval``: a compaction's,

