@@ -1246,6 +1246,23 @@ def _held_recorder_windows(log: Any, n: int
     return rec, gate, held, bodies
 
 
+def test_a_recorder_reads_the_checkpoints_segment_list_before_anyone_records(
+        tmp_path: Path) -> None:
+    """Opening leaves a checkpoint's segment list unread; the checkpoints a recorder owes
+    need it, so the recorder reads it as it is made, not while producers wait."""
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for i in range(3):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again._state.checkpoint_seq == 2 and again._state._loader is not None
+    with again.recorder() as rec:
+        assert again._state._loader is None
+        assert [s.first_lsn for s in again._state.segments.values()] == [1, 2, 3]
+        assert rec.record([E.RunStarted("acme", "r3", "wf")]).result(timeout=60).seq == 4
+    assert pdm.open_log(str(tmp_path / "log")).read_events().num_rows == 4
+
+
 def test_the_committer_never_waits_for_a_checkpoint_and_the_newest_owed_follows(
         tmp_path: Path) -> None:
     """While seq 2's checkpoint waits for the held promotions, seqs 4 and 6 owe theirs:

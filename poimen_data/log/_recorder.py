@@ -264,6 +264,11 @@ class Recorder:
                 raise ValidationError(f"recorder: {name} must be an int >= 1, got {v!r}")
         if log.read_only:
             raise PoimenError(f"{log.root} was opened read-only")
+        # The checkpoints it owes need the checkpoint's segment list, which opening left
+        # unread: read it now, before any producer waits (0.65 s of Python at 200,000
+        # segments, which slowed every thread while a busy recorder ran; 0.8 s of every
+        # commit waiting while it was read under the log's lock, before that).
+        log._load_segments()
         self.log = log
         self.max_delay = max_delay_ms / 1000
         self.max_events = max_events
