@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -1109,20 +1110,19 @@ def test_close_after_a_stop_waits_for_the_checkpoint_owed(
     from poimen_data.log._manifest import POINTER, checkpoint_path
 
     log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
-    joining = threading.Event()  # someone waits for the checkpoint thread
-    join, put = threading.Thread.join, log.storage.put_if_absent
+    joining = threading.Event()  # someone waits for the checkpoint
+    join, put = Recorder._join_checkpoint, log.storage.put_if_absent
 
-    def watched_join(self: threading.Thread, timeout: float | None = None) -> None:
-        if self.name == "poimen-recorder-checkpoint":
-            joining.set()
-        join(self, timeout)
+    def watched_join(self: Recorder) -> None:
+        joining.set()
+        join(self)
 
     def held_put(rel: str, data: bytes) -> bool:
         if rel == checkpoint_path(2):
             assert joining.wait(timeout=60)
         return put(rel, data)
 
-    monkeypatch.setattr(threading.Thread, "join", watched_join)
+    monkeypatch.setattr(Recorder, "_join_checkpoint", watched_join)
     monkeypatch.setattr(log.storage, "put_if_absent", held_put)
     rec = log.recorder(max_delay_ms=0)
     _body_windows(rec, 2, "w")
@@ -1285,6 +1285,132 @@ def test_the_committer_never_waits_for_a_checkpoint_and_the_newest_owed_follows(
     assert (again._state.checkpoint_seq, again.head_seq) == (6, 7)
     assert again.read_events().num_rows == 7
     assert [again.blobs.get(blob_ref("acme", b)) for b in bodies] == bodies
+
+
+def _held_checkpoints(log: Any) -> tuple[Callable[[int], threading.Event],
+                                         Callable[[int], threading.Event]]:
+    """``write_checkpoint(upto=n)`` of ``log`` sets ``entered(n)``, then waits for
+    ``released(n)``."""
+    events: dict[tuple[str, int], threading.Event] = {}
+    lock = threading.Lock()
+    write = log.write_checkpoint
+
+    def event(kind: str, n: int) -> threading.Event:
+        with lock:
+            return events.setdefault((kind, n), threading.Event())
+
+    def held(*args: Any, upto: int | None = None, **kw: Any) -> int:
+        assert upto is not None
+        event("entered", upto).set()
+        assert event("released", upto).wait(timeout=120)
+        return int(write(*args, upto=upto, **kw))
+
+    log.write_checkpoint = held
+    return (lambda n: event("entered", n)), (lambda n: event("released", n))
+
+
+def _one(rec: Recorder, i: int) -> int | None:
+    return rec.record([E.RunStarted("acme", f"r{i}", "wf")]).result(timeout=60).seq
+
+
+def test_flush_waits_for_the_checkpoints_owed_before_it_not_after(tmp_path: Path) -> None:
+    """Recording on end, each checkpoint is followed by a newer one owed: ``flush`` waits
+    for those its records' commits owed (4 here, written after 2), not for 6, owed by a
+    window committed after it began (a review's find: it waited for the checkpoint
+    thread to run out of work, which a busy recorder never lets it)."""
+    from poimen_data.log._manifest import POINTER
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    entered, released = _held_checkpoints(log)
+    rec = log.recorder(max_delay_ms=0)
+    try:
+        assert [_one(rec, i) for i in range(2)] == [1, 2]
+        assert entered(2).wait(timeout=60)  # seq 2's, being written
+        assert [_one(rec, i) for i in range(2, 5)] == [3, 4, 5]  # 4 owed
+        joining, flushed = threading.Event(), threading.Event()
+        join = rec._join_checkpoint
+
+        def watched_join() -> None:
+            joining.set()
+            join()
+
+        rec._join_checkpoint = watched_join  # type: ignore[method-assign]
+        flusher = threading.Thread(target=lambda: (rec.flush(), flushed.set()))
+        flusher.start()
+        assert joining.wait(timeout=60)  # its records resolved; it waits for 4's
+        released(2).set()
+        assert entered(4).wait(timeout=60)
+        assert [_one(rec, i) for i in range(5, 7)] == [6, 7]  # after it began: 6 owed
+        released(4).set()
+        assert entered(6).wait(timeout=60)  # 4 written; the thread goes on to 6
+        assert json.loads(log.storage.read(POINTER))["seq"] == 4
+        assert flushed.wait(timeout=60)  # not waiting for 6
+        flusher.join(timeout=60)
+    finally:
+        for n in (2, 4, 6, 8):
+            released(n).set()
+        rec.close()
+    assert json.loads(log.storage.read(POINTER))["seq"] == 6
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_checkpoints_go_on_after_one_raised_what_no_checkpoint_catches(
+        tmp_path: Path) -> None:
+    """A ``BaseException`` out of a checkpoint (not an ``Exception``, which is logged)
+    ends its thread; the next checkpoint owed starts a new one, and flush does not wait
+    for the dead one."""
+    from poimen_data.log._manifest import POINTER
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    write = log.write_checkpoint
+    asked: list[int] = []
+
+    class Stop(BaseException):
+        pass
+
+    def failing(*args: Any, upto: int | None = None, **kw: Any) -> int:
+        assert upto is not None
+        asked.append(upto)
+        if upto == 2:
+            raise Stop
+        return int(write(*args, upto=upto, **kw))
+
+    log.write_checkpoint = failing  # type: ignore[method-assign]
+    rec = log.recorder(max_delay_ms=0)
+    assert [_one(rec, i) for i in range(6)] == [1, 2, 3, 4, 5, 6]
+    ender = threading.Thread(target=lambda: (rec.flush(), rec.close()), daemon=True)
+    ender.start()
+    ender.join(timeout=60)
+    assert not ender.is_alive()  # neither waits for the thread that died
+    assert asked[0] == 2 and asked[-1] == 6 and set(asked) <= {2, 4, 6}
+    assert json.loads(log.storage.read(POINTER))["seq"] == 6
+
+
+def test_a_recorder_starts_when_the_checkpoints_segment_list_cannot_be_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the list as the recorder is made is housekeeping: storage failing there
+    is logged, and the list is read when first needed, as before."""
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for i in range(3):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    again = pdm.open_log(str(tmp_path / "log"))
+    read = again.storage.read_or_none
+    failing = [True]
+
+    def flaky(rel: str) -> bytes | None:
+        if rel.endswith(".segments.arrow") and failing[0]:
+            raise OSError("storage said no")
+        return read(rel)
+
+    monkeypatch.setattr(again.storage, "read_or_none", flaky)
+    with again.recorder(max_delay_ms=0) as rec:
+        assert again._state._loader is not None  # not read: later
+        failing[0] = False
+        assert rec.record([E.RunStarted("acme", "r3", "wf")]).result(timeout=60).seq == 4
+        rec.flush()
+    assert again._state._loader is None
+    assert [s.first_lsn for s in again.segments()] == [1, 2, 3, 4]
 
 
 def test_a_checkpoint_behind_the_head_leaves_later_commits_for_the_next(

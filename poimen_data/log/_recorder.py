@@ -268,7 +268,10 @@ class Recorder:
         # unread: read it now, before any producer waits (0.65 s of Python at 200,000
         # segments, which slowed every thread while a busy recorder ran; 0.8 s of every
         # commit waiting while it was read under the log's lock, before that).
-        log._load_segments()
+        try:
+            log._load_segments()
+        except Exception as exc:  # noqa: BLE001 - read when first needed then, as before
+            _logger.warning("%s: reading the checkpoint's segment list: %s", log.root, exc)
         self.log = log
         self.max_delay = max_delay_ms / 1000
         self.max_events = max_events
@@ -305,6 +308,7 @@ class Recorder:
         self._retries = log.publish_retries
         self._checkpointing: threading.Thread | None = None  # see _start_checkpoint
         self._owed = 0  # the newest seq owed a checkpoint while one is being written
+        self._ckpt_asked = self._ckpt_done = 0  # newest seq owed; newest one written (or tried)
         # bodies this recorder committed lately (the gatherer reads, the committer writes)
         self._known: OrderedDict[BlobKey, None] = OrderedDict()
         self._gatherer = threading.Thread(target=self._gather_loop, daemon=True,
@@ -815,22 +819,31 @@ class Recorder:
         checkpoint, whose promotions may run seconds behind a busy recorder. A failure is
         logged: a later commit writes the next one."""
         with self._cond:
+            self._ckpt_asked = max(self._ckpt_asked, seq)
             if self._checkpointing is not None:
                 self._owed = max(self._owed, seq)
                 return
 
         def write() -> None:
             upto = seq
-            while True:
-                try:
-                    self.log.write_checkpoint(upto=upto)
-                except Exception as exc:  # noqa: BLE001 - housekeeping a later one redoes
-                    _logger.warning("%s: checkpoint deferred: %s", self.log.root, exc)
-                with self._cond:  # one step with _start_checkpoint's look: none is lost
-                    if self._owed <= upto:
-                        self._checkpointing = None
-                        return
-                    upto, self._owed = self._owed, 0
+            try:
+                while True:
+                    try:
+                        self.log.write_checkpoint(upto=upto)
+                    except Exception as exc:  # noqa: BLE001 - housekeeping a later one redoes
+                        _logger.warning("%s: checkpoint deferred: %s", self.log.root, exc)
+                    with self._cond:  # one step with _start_checkpoint's look: none is lost
+                        self._ckpt_done = max(self._ckpt_done, upto)
+                        self._done_cv.notify_all()
+                        if self._owed <= upto:
+                            self._checkpointing = None
+                            return
+                        upto, self._owed = self._owed, 0
+            finally:
+                with self._cond:
+                    if self._checkpointing is threading.current_thread():
+                        self._checkpointing = None  # died: the next owed starts anew
+                    self._done_cv.notify_all()
 
         thread = threading.Thread(target=write, daemon=True,
                                   name="poimen-recorder-checkpoint")
@@ -845,11 +858,13 @@ class Recorder:
             write()
 
     def _join_checkpoint(self) -> None:
-        """Wait for the checkpoint being written, if any (``flush``, ``close``)."""
-        with self._cond:
-            thread = self._checkpointing
-        if thread is not None:
-            thread.join()
+        """Wait until a checkpoint at or past the newest owed so far is written (or tried),
+        or no checkpoint thread is left (``flush``, ``close``); not for those owed by
+        windows committed after this call, which a busy recorder never runs out of."""
+        with self._cond:  # the newest owed so far, not those owed after this call
+            need = self._ckpt_asked
+            while self._checkpointing is not None and self._ckpt_done < need:
+                self._done_cv.wait()
 
     def _settle(self, exc: CommitUnknown) -> CommitInfo | BaseException | None:
         """Decide a window whose publish failed without telling whether it landed
