@@ -304,6 +304,20 @@ def test_checkpoints_keep_open_flat_and_damaged_one_is_skipped(tmp_path) -> None
     assert third.read_events().num_rows == 25
 
 
+def _commit_on_another_thread(log: pdm.EventLog, run_id: str) -> None:
+    """Commit one event from a thread of its own, which must be done within 60 s."""
+    import threading
+
+    def commit() -> None:
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", run_id, "wf"))
+
+    committer = threading.Thread(target=commit)
+    committer.start()
+    committer.join(timeout=60)
+    assert not committer.is_alive()
+
+
 def test_a_checkpoint_builds_its_segment_list_while_this_process_commits_on(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint's segment list (a second's work at a million segments) is built
@@ -333,15 +347,7 @@ def test_a_checkpoint_builds_its_segment_list_while_this_process_commits_on(
     checkpoint.start()
     try:
         assert entered.wait(timeout=60)  # seq 2's list, being built
-
-        def commit() -> None:
-            with log.transaction() as tx:
-                tx.append(E.RunStarted("acme", "r2", "wf"))
-
-        committer = threading.Thread(target=commit)
-        committer.start()
-        committer.join(timeout=60)
-        assert not committer.is_alive()  # it never waited for the build
+        _commit_on_another_thread(log, "r2")  # it never waits for the build
         assert log.head_seq == 3
     finally:
         gate.set()
@@ -387,15 +393,7 @@ def test_a_checkpoints_segment_list_is_read_while_this_process_commits_on(
     reader.start()
     try:
         assert entered.wait(timeout=60)
-
-        def commit() -> None:
-            with again.transaction() as tx:
-                tx.append(E.RunStarted("acme", "r2", "wf"))
-
-        committer = threading.Thread(target=commit)
-        committer.start()
-        committer.join(timeout=60)
-        assert not committer.is_alive()  # it never waited for the list
+        _commit_on_another_thread(again, "r2")  # it never waits for the list
         assert again.head_seq == 3
     finally:
         gate.set()

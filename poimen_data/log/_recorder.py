@@ -242,7 +242,8 @@ class Recorder:
     window's seq, once the commits up to it are promoted, without promoting those that
     land meanwhile (``EventLog.write_checkpoint(upto=...)``); the committer publishes on,
     and never waits for it: the next one owed while it is written is written after it,
-    at the newest seq owed by then. ``flush`` and ``close`` wait for them.
+    at the newest seq owed by then. ``flush`` waits for those owed before it, ``close``
+    for all.
     """
 
     def __init__(self, log: EventLog, *, max_delay_ms: float = 5.0,
