@@ -17,6 +17,7 @@ under it too, ``EventLog.settle``). Writers never take the lease; the commit pro
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import uuid
@@ -327,7 +328,8 @@ def _superseded_checkpoints(log: EventLog, names: list[str]
     for seq in sorted(by_seq):
         if seq > pointer or seq in keep:
             continue
-        after = next((c for c in complete if c > seq), None)
+        i = bisect.bisect_right(complete, seq)  # a log of a day holds ~10^5 of them
+        after = complete[i] if i < len(complete) else None
         out.append((sorted(by_seq[seq], key=lambda p: not p.endswith(".json")),
                     None if len(by_seq[seq]) < 2 or after is None
                     else checkpoint_path(after)))

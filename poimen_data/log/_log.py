@@ -156,13 +156,18 @@ class _State:
     @property
     def segments(self) -> dict[str, SegmentInfo]:
         if self._loader is not None:
-            base = self._loader()
-            self._loader = None
-            for m in self._queued:
-                _apply_segments(base, m)
-            self._queued = []
-            self._segments = base
+            self.install_segments(self._loader(), self._loader)
         return self._segments
+
+    def install_segments(self, base: dict[str, SegmentInfo],
+                         loader: Callable[[], dict[str, SegmentInfo]]) -> None:
+        """Take the segment list ``loader`` read, with the manifests queued since applied
+        to it; nothing if it is loaded already (by someone else meanwhile)."""
+        if self._loader is not loader:
+            return
+        for m in self._queued:
+            _apply_segments(base, m)
+        self._loader, self._queued, self._segments = None, [], base
 
     def apply(self, m: Manifest) -> None:
         if m.seq != self.seq + 1:
@@ -626,10 +631,7 @@ class EventLog:
             return
         base = loader()
         with self._lock:
-            if st._loader is loader:  # nobody loaded it meanwhile
-                for m in st._queued:
-                    _apply_segments(base, m)
-                st._loader, st._queued, st._segments = None, [], base
+            st.install_segments(base, loader)
 
     def segments(self, at_lsn: int | None = None, min_lsn: int = 1) -> list[SegmentInfo]:
         """Live segments holding events with ``min_lsn <= lsn <= at_lsn``, in LSN order."""

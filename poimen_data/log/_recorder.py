@@ -308,8 +308,8 @@ class Recorder:
         self._contended = False  # the last publish lost a race to another writer
         self._retries = log.publish_retries
         self._checkpointing: threading.Thread | None = None  # see _start_checkpoint
-        self._owed = 0  # the newest seq owed a checkpoint while one is being written
-        self._ckpt_asked = self._ckpt_done = 0  # newest seq owed; newest one written (or tried)
+        # the newest seq owed a checkpoint; the newest one written (or tried)
+        self._ckpt_asked = self._ckpt_done = 0
         # bodies this recorder committed lately (the gatherer reads, the committer writes)
         self._known: OrderedDict[BlobKey, None] = OrderedDict()
         self._gatherer = threading.Thread(target=self._gather_loop, daemon=True,
@@ -822,8 +822,7 @@ class Recorder:
         with self._cond:
             self._ckpt_asked = max(self._ckpt_asked, seq)
             if self._checkpointing is not None:
-                self._owed = max(self._owed, seq)
-                return
+                return  # its thread writes it next
 
         def write() -> None:
             upto = seq
@@ -836,10 +835,10 @@ class Recorder:
                     with self._cond:  # one step with _start_checkpoint's look: none is lost
                         self._ckpt_done = max(self._ckpt_done, upto)
                         self._done_cv.notify_all()
-                        if self._owed <= upto:
+                        if self._ckpt_asked <= upto:
                             self._checkpointing = None
                             return
-                        upto, self._owed = self._owed, 0
+                        upto = self._ckpt_asked
             finally:
                 with self._cond:
                     if self._checkpointing is threading.current_thread():
