@@ -334,14 +334,14 @@ def test_a_checkpoint_builds_its_segment_list_while_this_process_commits_on(
         with log.transaction() as tx:
             tx.append(E.RunStarted("acme", f"r{i}", "wf"))
     entered, gate = threading.Event(), threading.Event()
-    build = log_module._segments_file_bytes
+    build = log_module.list_bytes
 
     def held_build(live: Any) -> bytes:
         entered.set()
         assert gate.wait(timeout=120)
         return build(live)
 
-    monkeypatch.setattr(log_module, "_segments_file_bytes", held_build)
+    monkeypatch.setattr(log_module, "list_bytes", held_build)
     written: list[int] = []
     checkpoint = threading.Thread(target=lambda: written.append(log.write_checkpoint()))
     checkpoint.start()
@@ -355,7 +355,8 @@ def test_a_checkpoint_builds_its_segment_list_while_this_process_commits_on(
     assert written == [2]
     doc = json.loads(log.storage.read(checkpoint_path(2)))
     assert doc["seq"] == 2 and doc["lsn"] == 2
-    listed = pa.ipc.open_file(pa.py_buffer(log.storage.read(doc["segments_file"]["path"])))
+    [only] = doc["segment_lists"]
+    listed = pa.ipc.open_file(pa.py_buffer(log.storage.read(only["path"])))
     assert listed.read_all().column("first_lsn").to_pylist() == [1, 2]
     assert json.loads(log.storage.read(POINTER))["seq"] == 2
     assert [m.seq for m in log._state.manifests_since_checkpoint] == [3]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -19,6 +21,7 @@ import poimen_data as pdm
 from poimen_data import events as E
 from poimen_data import synth
 from poimen_data.jobs._maint import lease
+from poimen_data.log._lists import list_seq
 from poimen_data.log._manifest import POINTER, blob_path, checkpoint_path, dumps
 
 
@@ -287,17 +290,16 @@ def test_vacuum_keeps_the_two_newest_checkpoints_at_or_below_the_pointer(root: R
         return sorted(int(n.split(".")[0]) for n in st.list_dir("_log")
                       if n.endswith(".checkpoint.json"))
 
-    def files(seqs: list[int]) -> list[str]:
-        return [checkpoint_path(s)[:-len(".json")] + end for s in seqs
-                for end in (".json", ".segments.arrow")]
-
     assert checkpoints() == [2, 4, 6, 8, 10]
+    # each checkpoint wrote one segment list; 10 reuses 8's (8 segments) and adds its own
+    assert _lists_named(st, 10) == [8, 10]
     report = pdm.vacuum(log, grace=3600)
     assert (report.checkpoints_removed, report.kept_young) == (0, 6)  # young: 2, 4, 6
-    sizes = sum(st.size(p) or 0 for p in files([2, 4, 6]))
+    sizes = sum(st.size(p) or 0 for p in _written(st, [2, 4, 6]))
     report = pdm.vacuum(log, grace=0)
     assert (report.checkpoints_removed, report.bytes_removed) == (3, sizes)
-    assert checkpoints() == [8, 10] and all(st.exists(p) for p in files([8, 10]))
+    assert checkpoints() == [8, 10] and all(st.exists(p) for p in _written(st, [8, 10]))
+    assert not any(st.exists(p) for p in _written(st, [2, 4, 6]))
     again = root.open()
     assert (again._state.checkpoint_seq, again.head_seq) == (10, 10)
     assert again.read_events().column("run_id").to_pylist() == [f"r{i}" for i in range(10)]
@@ -310,6 +312,9 @@ def test_vacuum_keeps_the_two_newest_checkpoints_at_or_below_the_pointer(root: R
     st.write(POINTER, dumps({"format": "poimen-log", "version": 1, "seq": 12}))
     assert pdm.vacuum(log, grace=0).checkpoints_removed == 1  # 8; 14 is past the pointer
     assert checkpoints() == [10, 12, 14]
+    assert _lists_named(st, 14) == [8, 12, 14]  # 8's list stays, reused
+    [eights] = _written(st, [8])[1:]
+    assert not st.exists(checkpoint_path(8)) and st.exists(eights)
     st.write(checkpoint_path(12), b"{garbage")  # the pointer's, damaged
     third = root.open()
     assert (third._state.checkpoint_seq, third.head_seq) == (10, 14)
@@ -333,20 +338,25 @@ def test_vacuum_keeps_the_checkpoint_opening_falls_back_to(root: Root) -> None:
             with log.transaction() as tx:
                 tx.append(E.RunStarted("acme", f"r{log.head_seq}", "wf"))
 
-    def checkpoints(end: str = ".checkpoint.json") -> list[int]:
+    def checkpoints() -> list[int]:
         return sorted(int(n.split(".")[0]) for n in log.storage.list_dir("_log")
-                      if n.endswith(end))
+                      if n.endswith(".checkpoint.json"))
+
+    def lists() -> list[int]:  # the checkpoints that wrote the lists there
+        return sorted(s for n in log.storage.list_dir("_log")
+                      if (s := list_seq(n)) is not None)
 
     commit(9)
     assert pdm.compact(log).seq == 10  # its checkpoint at 10, not a multiple of 4
     commit(2)
     assert checkpoints() == [4, 8, 10, 12]
     assert pdm.vacuum(log, grace=0).checkpoints_removed == 2
-    assert checkpoints() == [8, 12] == checkpoints(".checkpoint.segments.arrow")
-    commit(4)  # checkpoint 16; 12's document lost (its put failed): a list alone
-    log.storage.delete(checkpoint_path(12))
-    assert pdm.vacuum(log, grace=0).checkpoints_removed == 1
-    assert checkpoints() == [8, 16] == checkpoints(".checkpoint.segments.arrow")
+    assert checkpoints() == [8, 12] == lists()
+    commit(4)  # checkpoint 16 (its list merges 12's: 3 <= 4 segments)
+    assert _lists_named(log.storage, 16) == [16]
+    log.storage.delete(checkpoint_path(12))  # its document lost (its put failed)
+    assert pdm.vacuum(log, grace=0).checkpoints_removed == 1  # 12's list, alone
+    assert checkpoints() == [8, 16] == lists()
     log.storage.write(checkpoint_path(16), b"{garbage")
     again = root.open()
     assert (again._state.checkpoint_seq, again.head_seq) == (8, 16)
@@ -363,13 +373,28 @@ def test_vacuum_counts_a_checkpoints_grace_from_when_a_newer_one_superseded_it(
         with log.transaction() as tx:
             tx.append(E.RunStarted("acme", f"r{i}", "wf"))
     long_ago = time.time() - 7200
-    for seq in (2, 4, 6):  # written two hours ago; 8 and 10 just now
-        for p in (checkpoint_path(seq), checkpoint_path(seq)[:-5] + ".segments.arrow"):
-            os.utime(log.storage.full(p), (long_ago, long_ago))
+    two_four = _written(log.storage, [2, 4])
+    for p in _written(log.storage, [2, 4, 6]):  # written two hours ago; 8 and 10 just now
+        os.utime(log.storage.full(p), (long_ago, long_ago))
     report = pdm.vacuum(log, grace=3600)
     assert (report.checkpoints_removed, report.kept_young) == (2, 2)  # 2 and 4; 6 kept
     assert sorted(int(n.split(".")[0]) for n in log.storage.list_dir("_log")
                   if n.endswith(".checkpoint.json")) == [6, 8, 10]
+    # 4's list stays: 6 names it; 2's goes
+    assert _lists_named(log.storage, 6) == [4, 6]
+    assert [log.storage.exists(p) for p in two_four] == [False, False, False, True]
+
+
+def _lists_named(st: Any, seq: int) -> list[int]:
+    """The checkpoints that wrote the segment lists checkpoint ``seq`` names, in order."""
+    doc = json.loads(st.read(checkpoint_path(seq)))
+    return [list_seq(e["path"].removeprefix("_log/")) for e in doc["segment_lists"]]
+
+
+def _written(st: Any, seqs: list[int]) -> list[str]:
+    """The documents of those checkpoints, then the segment lists they wrote."""
+    return [checkpoint_path(s) for s in seqs] + sorted(
+        f"_log/{n}" for n in st.list_dir("_log") if list_seq(n) in seqs)
 
 
 _COMPACT_CHILD = r"""

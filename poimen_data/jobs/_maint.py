@@ -34,8 +34,15 @@ from poimen_data.errors import (
     WritersActive,
 )
 from poimen_data.log import LEASE, lease, lease_holder
+from poimen_data.log._lists import list_entries, list_seq
 from poimen_data.log._log import EventLog, LogLike, as_log
-from poimen_data.log._manifest import Manifest, SegmentInfo, blob_path, checkpoint_path
+from poimen_data.log._manifest import (
+    Manifest,
+    SegmentInfo,
+    blob_path,
+    checkpoint_path,
+    loads,
+)
 from poimen_data.log._staged import Packs, piece_of
 from poimen_data.log._txn import now_iso
 from poimen_data.model import _events as ev
@@ -167,16 +174,15 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
       ``at_lsn`` time travel reaches back to LSN 1 whatever vacuum removed;
     - bodies in ``blobs/`` that no manifest covers, or whose last mention is a reduction;
     - temp files under ``_log/`` that a writer died with (before its link or rename);
-    - checkpoints (``_log/<seq>.checkpoint.json`` and its segment list) superseded for
-      ``grace`` seconds, except the newest at or below the pointer's seq and the one
-      opening falls back to when that one is damaged (the newest below it at a multiple
-      of ``checkpoint_interval``); those past the pointer are kept (their pointer may be
-      on its way), and a segment list whose document never landed goes once older than
-      ``grace``. Each checkpoint lists every live segment, so a log that is never
-      compacted would otherwise keep a number of rows growing with the square of its
-      commits (1.92 GB of checkpoints for 50,509 one-event commits). No reader needs
-      another: one that opened at a checkpoint removed since rebuilds its segment list
-      from the manifests, which are never removed.
+    - checkpoints (``_log/<seq>.checkpoint.json``) superseded for ``grace`` seconds,
+      except the newest at or below the pointer's seq and the one opening falls back to
+      when that one is damaged (the newest below it at a multiple of
+      ``checkpoint_interval``); those past the pointer are kept (their pointer may be on
+      its way). Then the segment lists no remaining checkpoint names (a list is named by
+      every later checkpoint that reuses it), and one whose document never landed once
+      older than ``grace``. No reader needs another checkpoint: one that opened at a
+      checkpoint removed since rebuilds its segment list from the manifests, which are
+      never removed.
     ``grace=0`` removes all of that at once: safe only when no other writer is active.
     With a grace under ``WRITER_ACTIVE_S`` (10 s), vacuum refuses (``WritersActive``,
     nothing removed) while an uncommitted file younger than that exists: a writer may be
@@ -282,58 +288,105 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         state_removed = _vacuum_state(log, state_files, lambda p: old(p, grace))
         held.check()  # a live writer's temp file is younger than grace
         temps_removed = sum(st.delete(p) for p in temps if old(p, grace))
-        checkpoints = 0
-        for files, successor in checkpoint_files:
-            held.check()
-            # superseded for grace (a reader that opened at it meanwhile rebuilds its
-            # segment list from the manifests); a lone segment list, written for grace
-            if not old(successor or files[0], grace):
-                young += len(files)
-                continue
-            for p in files:  # the document first: none names a segment list gone
-                nbytes += st.size(p) or 0
-                st.delete(p)
-            checkpoints += 1
+        checkpoints, ck_bytes, ck_young = _vacuum_checkpoints(
+            log, checkpoint_files, lambda p: old(p, grace), held.check)
+        nbytes, young = nbytes + ck_bytes, young + ck_young
         log.refresh()
     return VacuumReport(removed, promoted, segs, bodies, nbytes, young,
                         state_files_removed=state_removed, temp_files_removed=temps_removed,
                         checkpoints_removed=checkpoints)
 
 
-def _superseded_checkpoints(log: EventLog, names: list[str]
-                            ) -> list[tuple[list[str], str | None]]:
-    """The checkpoints vacuum may remove, from a listing of ``_log/``: for each, its files
-    (document first, then its segment list) and the document of the next complete
-    checkpoint after it, whose age is how long it has been superseded (None for a segment
-    list without its document: its own age counts, a writer may be about to put it).
-    Nothing when the pointer is missing or unreadable. Kept: every checkpoint past the
-    pointer (its pointer may be on its way), the newest complete one at or below it, and
-    the one ``EventLog._load_checkpoint`` falls back to when that one is damaged (the
-    newest complete one below it at a multiple of ``checkpoint_interval``: a compaction's,
-    or a busy writer's past the seq that owed it, is at another seq). A segment list
-    whose document never landed is never one of them."""
-    by_seq: dict[int, list[str]] = {}
+@dataclass
+class _CheckpointFiles:
+    """The checkpoint files of a listing of ``_log/`` (see ``_superseded_checkpoints``)."""
+
+    docs: dict[int, str]  # seq -> its document
+    lists: dict[int, list[str]]  # seq -> the segment lists that checkpoint wrote
+    superseded: list[tuple[int, str]]  # (seq, the next document after it) vacuum may remove
+
+
+def _superseded_checkpoints(log: EventLog, names: list[str]) -> _CheckpointFiles:
+    """The checkpoints vacuum may remove, from a listing of ``_log/``: each with the
+    document of the next checkpoint after it, whose age is how long it has been superseded;
+    none when the pointer is missing or unreadable. Kept: every checkpoint past the
+    pointer (its pointer may be on its way), the newest one at or below it, and the one
+    ``EventLog._load_checkpoint`` falls back to when that one is damaged (the newest one
+    below it at a multiple of ``checkpoint_interval``: a compaction's, or a busy writer's
+    past the seq that owed it, is at another seq). Segment lists are removed by
+    ``_vacuum_checkpoints``, by what the documents left name."""
+    docs: dict[int, str] = {}
+    lists: dict[int, list[str]] = {}
     for n in names:
         head, dot, rest = n.partition(".")
-        if dot and rest in ("checkpoint.json", "checkpoint.segments.arrow") \
-                and head.isascii() and head.isdigit():
-            by_seq.setdefault(int(head), []).append(f"_log/{n}")
+        if dot and rest == "checkpoint.json" and head.isascii() and head.isdigit():
+            docs[int(head)] = f"_log/{n}"
+        elif (seq := list_seq(n)) is not None:
+            lists.setdefault(seq, []).append(f"_log/{n}")
     pointer = log._pointer_seq()
-    complete = sorted(seq for seq, files in by_seq.items() if len(files) == 2)
+    out = _CheckpointFiles(docs, lists, [])
+    if not pointer:
+        return out
+    complete = sorted(docs)
     at_or_below = [seq for seq in complete if seq <= pointer]
     keep = set(at_or_below[-1:])
     keep.update([seq for seq in at_or_below
                  if seq < pointer and seq % log.checkpoint_interval == 0][-1:])
-    out: list[tuple[list[str], str | None]] = []
-    for seq in sorted(by_seq):
+    for seq in complete:
         if seq > pointer or seq in keep:
             continue
         i = bisect.bisect_right(complete, seq)  # a log of a day holds ~10^5 of them
-        after = complete[i] if i < len(complete) else None
-        out.append((sorted(by_seq[seq], key=lambda p: not p.endswith(".json")),
-                    None if len(by_seq[seq]) < 2 or after is None
-                    else checkpoint_path(after)))
+        out.superseded.append((seq, checkpoint_path(complete[i])))
     return out
+
+
+def _vacuum_checkpoints(log: EventLog, files: _CheckpointFiles,
+                        old_enough: Callable[[str], bool], check: Callable[[], None]
+                        ) -> tuple[int, int, int]:
+    """Remove the superseded checkpoints' documents that have been superseded for grace
+    (a reader that opened at one meanwhile rebuilds its segments from the manifests),
+    then every segment list that no document left names: a removed checkpoint's, and one
+    whose document never landed once it is older than grace (a writer may be about to put
+    it). A list a later checkpoint reuses stays, whoever wrote it. Documents are removed
+    first: none names a list gone. Returns (checkpoints removed, bytes, files kept young):
+    a document, or the lists of a seq that has none, count as one checkpoint."""
+    st = log.storage
+    removed: set[int] = set()
+    nbytes = young = 0
+    for seq, successor in files.superseded:
+        check()
+        if not old_enough(successor):
+            young += 1 + len(files.lists.get(seq, ()))
+            continue
+        nbytes += st.size(files.docs[seq]) or 0
+        st.delete(files.docs[seq])
+        removed.add(seq)
+    staying = [seq for seq in files.docs if seq not in removed]
+    named: set[str] = set()
+    for seq, data in zip(staying, log._fan_out(
+            st.read_or_none, [files.docs[seq] for seq in staying]), strict=True):
+        if data is None:
+            continue  # removed meanwhile (another vacuum)
+        try:  # a damaged document: never opened at, what it names is not needed
+            named.update(e["path"] for e in list_entries(loads(data, files.docs[seq])))
+        except (CorruptionError, KeyError, ValueError, TypeError):
+            continue
+    lone = 0
+    for seq, paths in files.lists.items():
+        if seq in files.docs and seq not in removed:
+            continue  # its document stays (a list of it no document names: goes with it)
+        gone = 0
+        for p in paths:
+            check()
+            if p in named:
+                continue
+            if seq not in files.docs and not old_enough(p):
+                young += 1
+                continue
+            nbytes += st.size(p) or 0
+            gone += st.delete(p)
+        lone += seq not in files.docs and gone == len(paths)
+    return len(removed) + lone, nbytes, young
 
 
 def _note_pack(log: EventLog, key: tuple[str, str],

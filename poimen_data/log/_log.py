@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -39,6 +39,15 @@ from poimen_data.errors import (
 from poimen_data.log._blobs import FsBlobStore
 from poimen_data.log._faults import crash_point
 from poimen_data.log._lease import Lease
+from poimen_data.log._lists import (
+    KnownLists,
+    SegmentList,
+    list_bytes,
+    list_entries,
+    list_path,
+    list_segments,
+    plan_lists,
+)
 from poimen_data.log._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -203,13 +212,13 @@ class _State:
     def is_reduced(self, key: BlobKey) -> bool:
         return key in self.reduced and key not in self.recommitted
 
-    def to_checkpoint(self, segments_file: dict[str, Any]) -> dict[str, Any]:
+    def to_checkpoint(self, lists: list[dict[str, Any]]) -> dict[str, Any]:
         doc = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "seq": self.seq,
             "lsn": self.lsn,
-            "segments_file": segments_file,
+            "segment_lists": lists,
             "reduced": sorted([t, sha, s] for (t, sha), s in self.reduced.items()),
             "recommitted": sorted([t, sha, s, p]
                                   for (t, sha), (s, p) in self.recommitted.items()),
@@ -232,23 +241,22 @@ class _State:
         return st
 
 
-def _segments_file_bytes(live: Iterable[SegmentInfo]) -> bytes:
-    """A checkpoint's segment list (``_log/<seq>.checkpoint.segments.arrow``): the live
-    segments in LSN order, as one Arrow IPC file."""
-    segs = sorted(live, key=lambda s: s.first_lsn)
-    table = pa.table({
-        "path": pa.array([s.path for s in segs], pa.string()),
-        "rows": pa.array([s.rows for s in segs], pa.int64()),
-        "size": pa.array([s.size for s in segs], pa.int64()),
-        "sha256": pa.array([s.sha256 for s in segs], pa.string()),
-        "first_lsn": pa.array([s.first_lsn for s in segs], pa.int64()),
-        "seq": pa.array([s.seq for s in segs], pa.int64()),
-        "has_lsn": pa.array([s.has_lsn for s in segs], pa.bool_()),
-    })
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
+def _known_after(known: KnownLists | None, lists: list[SegmentList],
+                 seq: int) -> KnownLists:
+    """The lists of the checkpoint at ``seq`` just written, ``known``'s reused: their
+    segments are looked up from ``known`` (a dict copy), only the new ones added."""
+    if known is None:
+        return KnownLists.of(seq, lists)
+    reused = {id(sl) for sl in known.lists}
+    where = dict(known.where)
+    for sl in known.lists:
+        if sl not in lists:
+            for p in sl.paths:
+                where.pop(p, None)
+    for sl in lists:
+        if id(sl) not in reused:
+            where.update(dict.fromkeys(sl.paths, sl))
+    return KnownLists(seq, tuple(lists), where)
 
 
 def _apply_segments(segments: dict[str, SegmentInfo], m: Manifest) -> None:
@@ -256,13 +264,6 @@ def _apply_segments(segments: dict[str, SegmentInfo], m: Manifest) -> None:
         segments.pop(p, None)
     for s in m.segments:
         segments[s.path] = s
-
-
-def _segments_from_table(t: pa.Table) -> dict[str, SegmentInfo]:
-    cols = [t.column(c).to_pylist() for c in
-            ("path", "rows", "size", "sha256", "first_lsn", "seq", "has_lsn")]
-    return {row[0]: SegmentInfo(*row) for row in zip(*cols, strict=True)}
-
 
 
 def _with_lsn_seq(t: Any, first_lsn: int, seq: int) -> Any:
@@ -304,6 +305,9 @@ class EventLog:
         # (``Manifest.promoted``): taken off once a manifest carrying them is published
         self._to_announce: set[int] = set()
         self._promotions: list[Future[None]] = []
+        # the segment lists of this process's latest checkpoint, read or written: its next
+        # checkpoint writes only the lists that changed (see ``_lists``)
+        self._known_lists: KnownLists | None = None
         self.blobs = FsBlobStore(self)
         self._load()
 
@@ -343,24 +347,32 @@ class EventLog:
                 continue
             try:
                 doc = loads(data, checkpoint_path(s))
-                seg = doc["segments_file"]
-                if self.storage.size(seg["path"]) != seg["size"]:
-                    continue  # incomplete: its segment list never landed
-                return _State.from_checkpoint(doc, self._segment_loader(seg, s))
+                entries = list_entries(doc)
+                sizes = self._fan_out(self.storage.size, [e["path"] for e in entries])
+                if sizes != [e["size"] for e in entries]:
+                    continue  # incomplete: a segment list of it is not there
+                return _State.from_checkpoint(doc, self._segment_loader(entries, s))
             except (CorruptionError, KeyError, ValueError, TypeError):
                 continue
         return _State()
 
-    def _segment_loader(self, seg: dict[str, Any],
+    def _segment_loader(self, entries: list[dict[str, Any]],
                         seq: int) -> Callable[[], dict[str, SegmentInfo]]:
-        """Load a checkpoint's segment list when first needed; if it turns out damaged,
-        rebuild the list from the manifests instead of trusting it."""
+        """Load a checkpoint's segment lists when first needed (``PIECE_POOL`` at a time
+        on an object store), and remember them for this process's next checkpoint to
+        reuse; if one turns out damaged, rebuild the segments from the manifests instead
+        of trusting it."""
 
         def load() -> dict[str, SegmentInfo]:
-            data = self.storage.read_or_none(seg["path"])
-            if data is not None and len(data) == seg["size"] \
-                    and hashlib.sha256(data).hexdigest() == seg["sha256"]:
-                return _segments_from_table(pa.ipc.open_file(pa.py_buffer(data)).read_all())
+            datas = self._fan_out(self.storage.read_or_none, [e["path"] for e in entries])
+            if all(d is not None and len(d) == e["size"]
+                   and hashlib.sha256(d).hexdigest() == e["sha256"]
+                   for d, e in zip(datas, entries, strict=True)):
+                read = [list_segments(d) for d in datas if d is not None]
+                if self._known_lists is None:
+                    self._known_lists = KnownLists.of(seq, [
+                        SegmentList.of(e, segs) for e, segs in zip(entries, read, strict=True)])
+                return {s.path: s for segs in read for s in segs}
             segments: dict[str, SegmentInfo] = {}
             for m in self.manifests():
                 if m.seq > seq:
@@ -1046,20 +1058,34 @@ class EventLog:
                 return 0
             at_seq = at.seq
             # a copy of what the checkpoint holds, at ``at_seq``: the live segments (a
-            # list of references, not the table: building that and its bytes takes a
-            # second at a million segments, and this process's commits wait for the lock)
-            # and the document, whose segments_file is filled in below
-            live = list(at.segments.values())
-            doc = at.to_checkpoint({})
-        # Built and written outside the lock: the segment list's table, bytes and hash,
-        # then its files, made durable one after the other (two fsyncs each on a local
-        # disk, a request each on an object store), while this process's commits, which
-        # take the lock to publish, go on.
-        data = _segments_file_bytes(live)
-        seg_path = checkpoint_path(at_seq).replace(".json", ".segments.arrow")
-        doc["segments_file"] = {"path": seg_path, "size": len(data),
-                                "sha256": hashlib.sha256(data).hexdigest()}
-        self.storage.put_if_absent(seg_path, data)
+            # dict of references, not the tables: building those and their bytes takes a
+            # second at a million segments, and this process's commits wait for the lock),
+            # the commits since the checkpoint whose segment lists it may reuse, and the
+            # document, whose segment_lists are filled in below. Lists are reused only
+            # from a checkpoint at or past the pointer, which vacuum keeps (see README
+            # "Checkpoints"); otherwise every segment is written again.
+            live = dict(at.segments) if at is st else at.segments
+            known = self._known_lists
+            if known is not None and not (known.seq == st.checkpoint_seq >= pointed):
+                known = None
+            changes = [] if known is None else [
+                m for m in st.manifests_since_checkpoint if m.seq <= at_seq]
+            doc = at.to_checkpoint([])
+        # Planned, built and written outside the lock: the lists that changed, their
+        # tables, bytes and hashes, then their files, made durable one after the other
+        # (two fsyncs each on a local disk, a request each on an object store), while this
+        # process's commits, which take the lock to publish, go on.
+        lists: list[SegmentList] = []
+        for item in plan_lists(known, changes, live):
+            if isinstance(item, SegmentList):
+                lists.append(item)
+                continue
+            data = list_bytes(item)
+            entry: dict[str, Any] = {"path": list_path(at_seq, data), "size": len(data),
+                     "sha256": hashlib.sha256(data).hexdigest()}
+            self.storage.put_if_absent(entry["path"], data)  # taken: the same bytes
+            lists.append(SegmentList.of(entry, item))
+        doc["segment_lists"] = [sl.entry for sl in lists]
         self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
         with self._pointer_lock:  # not another checkpoint of this process in between
             pointer = self._pointer_seq()
@@ -1082,6 +1108,7 @@ class EventLog:
             # looked at (a checkpoint, the next open's roll-forward)
             after = [m for m in st.manifests_since_checkpoint if m.seq > at_seq]
             st.checkpoint_seq = at_seq
+            self._known_lists = _known_after(known, lists, at_seq)
             st.manifests_since_checkpoint = after
             self._promoted.intersection_update(m.txn for m in after)
             st.pending = {(b.tenant, b.sha256): b.staged for m in after for b in m.blobs

@@ -1,0 +1,271 @@
+"""A checkpoint's segment lists: each checkpoint writes only the lists that changed since
+the one before it (poimen_data/log/_lists.py), and every reader sees the same segments."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from conftest import Root
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import poimen_data as pdm
+from poimen_data import events as E
+from poimen_data.log._lists import (
+    MAX_SEGMENT_LISTS,
+    KnownLists,
+    SegmentList,
+    list_bytes,
+    list_seq,
+    plan_lists,
+)
+from poimen_data.log._manifest import Manifest, SegmentInfo, checkpoint_path, dumps
+
+
+def _commit(log: pdm.EventLog, rows: int = 1) -> None:
+    with log.transaction() as tx:
+        for _ in range(rows):
+            tx.append(E.RunStarted("acme", f"r{log.head}", "wf"))
+
+
+def _lists(log: pdm.EventLog, seq: int) -> list[tuple[int | None, int]]:
+    """(the checkpoint that wrote it, its rows) for each list checkpoint ``seq`` names."""
+    doc = json.loads(log.storage.read(checkpoint_path(seq)))
+    return [(list_seq(e["path"].removeprefix("_log/")),
+             pa.ipc.open_file(pa.py_buffer(log.storage.read(e["path"]))).read_all().num_rows)
+            for e in doc["segment_lists"]]
+
+
+def _lowbit(n: int) -> int:
+    return n & -n
+
+
+def test_each_checkpoint_writes_one_list_of_its_lowest_binary_digit(root: Root) -> None:
+    """One segment a commit, a checkpoint each: checkpoint n names lists of the binary
+    digits of n, largest first, and writes only the last, of n's lowest digit; before,
+    each wrote all n segments again (a log's checkpoints grew with the square of its
+    commits). A reader opening at any of them reads the same segments as the writer."""
+    log = root.open(checkpoint_interval=1)
+    written = 0
+    for n in range(1, 24):
+        _commit(log)
+        digits = [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
+        assert [rows for _seq, rows in _lists(log, n)] == digits
+        assert _lists(log, n)[-1] == (n, _lowbit(n))
+        written += _lowbit(n)
+        again = root.open()
+        assert again._state.checkpoint_seq == n
+        assert again.segments() == log.segments()
+    assert written == sum(_lowbit(n) for n in range(1, 24)) == 60  # not 1 + 2 + ... + 23
+
+
+def test_a_compaction_rewrites_only_the_lists_it_took_segments_from(root: Root) -> None:
+    """Eight commits of 2 events, four of 1, two of 2: checkpoint 14 names lists of 8, 4
+    and 2 segments. A compaction of the four small ones (seq 15) takes segments out of the
+    second list only: its checkpoint reuses the first as it is, and writes the compacted
+    segment with the last two in one list."""
+    log = root.open(checkpoint_interval=1)
+    for rows in [2] * 8 + [1] * 4 + [2] * 2:
+        _commit(log, rows)
+    assert _lists(log, 14) == [(8, 8), (12, 4), (14, 2)]
+    report = pdm.compact(log, target_rows=4, min_rows=2)
+    assert (report.seq, report.segments_before, report.segments_after) == (15, 14, 11)
+    assert _lists(log, 15) == [(8, 8), (15, 3)]
+    again = root.open()
+    assert again.segments() == log.segments()
+    assert again.read_events().column("lsn").to_pylist() == list(range(1, 25))
+
+
+def test_a_checkpoint_written_before_lists_were_shared_is_read_and_reused(
+        tmp_path: Path) -> None:
+    """A checkpoint of the earlier format names one ``segments_file``: opening reads it,
+    the next checkpoint names that file as its first list, and vacuum keeps it while a
+    checkpoint it keeps names it, after its own document is gone."""
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for _ in range(4):
+        _commit(log)
+    st = log.storage
+    doc = json.loads(st.read(checkpoint_path(4)))
+    [entry] = doc.pop("segment_lists")
+    old = checkpoint_path(4).removesuffix(".json") + ".segments.arrow"
+    st.write(old, st.read(entry["path"]))
+    st.delete(entry["path"])
+    doc.pop("checksum")
+    doc["segments_file"] = {**entry, "path": old}
+    st.delete(checkpoint_path(4))
+    st.write(checkpoint_path(4), dumps(doc))
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again._state.checkpoint_seq == 4
+    assert [s.first_lsn for s in again.segments()] == [1, 2, 3, 4]
+    for _ in range(2):
+        _commit(again)
+    assert _lists(again, 6) == [(4, 4), (6, 2)]  # its first: the old file
+    assert json.loads(st.read(checkpoint_path(6)))["segment_lists"][0]["path"] == old
+    assert pdm.vacuum(again, grace=0).checkpoints_removed == 1  # 2
+    for _ in range(2):
+        _commit(again)
+    assert _lists(again, 8) == [(8, 8)]
+    assert pdm.vacuum(again, grace=0).checkpoints_removed == 1  # 4's document
+    assert st.exists(old)  # 6 names it, kept: opening falls back to it
+    for _ in range(2):
+        _commit(again)
+    assert _lists(again, 10) == [(8, 8), (10, 2)]
+    assert pdm.vacuum(again, grace=0).checkpoints_removed == 2  # 6, and 4's old file
+    assert not st.exists(old)
+    assert [s.first_lsn for s in pdm.open_log(str(tmp_path / "log")).segments()] \
+        == list(range(1, 11))
+
+
+def test_lists_are_reused_only_from_a_checkpoint_at_or_past_the_pointer(
+        tmp_path: Path) -> None:
+    """Vacuum keeps the pointer's checkpoint and those past it; an older one's lists may be
+    gone once it has been superseded for grace. A writer whose own last checkpoint is
+    behind another writer's (the pointer) writes every segment again."""
+    a = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for _ in range(8):
+        _commit(a)
+    assert _lists(a, 8) == [(8, 8)]
+    b = pdm.open_log(str(tmp_path / "log"))
+    b.segments()  # b knows checkpoint 8's lists
+    for _ in range(2):
+        _commit(b)  # checkpoint 10, by b: the pointer
+    assert _lists(b, 10) == [(8, 8), (10, 2)]
+    for _ in range(2):
+        _commit(a)  # checkpoint 12, by a, whose own (8) is behind the pointer
+    assert _lists(a, 12) == [(12, 12)]
+    for _ in range(2):
+        _commit(a)  # 14: a's own is 12, the pointer
+    assert _lists(a, 14) == [(12, 12), (14, 2)]
+    for _ in range(2):
+        _commit(b)  # 16: b's own is 10, behind the pointer (14)
+    assert _lists(b, 16) == [(16, 16)]
+    assert [s.first_lsn for s in pdm.open_log(str(tmp_path / "log")).segments()] \
+        == list(range(1, 17))
+
+
+def test_a_checkpoint_whose_list_is_missing_is_passed_over_at_open(tmp_path: Path) -> None:
+    """Opening checks every list a checkpoint names: one gone (deleted by hand) sends it
+    to the checkpoint before, as a missing segments file did."""
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for _ in range(6):
+        _commit(log)
+    assert _lists(log, 6) == [(4, 4), (6, 2)]
+    shutil.copytree(tmp_path / "log", tmp_path / "copy")
+    doc = json.loads(log.storage.read(checkpoint_path(6)))
+    (tmp_path / "copy" / doc["segment_lists"][0]["path"]).unlink()  # 4's, reused by 6
+    again = pdm.open_log(str(tmp_path / "copy"))
+    assert again._state.checkpoint_seq == 2  # 4's list is gone too; 2's is whole
+    assert [s.first_lsn for s in again.segments()] == list(range(1, 7))
+
+
+# -- the plan, on its own --------------------------------------------------------------
+
+
+def _seg(path: str, first: int, rows: int = 1) -> SegmentInfo:
+    return SegmentInfo(path, rows, 100, "0" * 64, first, first, False)
+
+
+def _manifest(seq: int, add: list[SegmentInfo], drop: list[str]) -> Manifest:
+    return Manifest(seq=seq, txn=f"{seq:032x}", kind="compact" if drop else "append",
+                    first_lsn=0, n_events=0, ts="2026-12-02T00:00:00+00:00",
+                    segments=tuple(add), supersedes=tuple(drop))
+
+
+def _written(plan: list[Any], seq: int) -> tuple[list[SegmentList], int]:
+    """The lists of a plan, those to write made (named as checkpoint ``seq`` would), and
+    how many segment entries were written."""
+    out, rows = [], 0
+    for x in plan:
+        if isinstance(x, SegmentList):
+            out.append(x)
+            continue
+        rows += len(x)
+        out.append(SegmentList.of({"path": f"{seq}-{len(out)}", "size": 0, "sha256": ""}, x))
+    return out, rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(0, 1000)),
+                min_size=1, max_size=40))
+def test_a_plan_lists_every_live_segment_once_in_lsn_order(ops: list[tuple[int, int, int]]
+                                                           ) -> None:
+    """Random histories of appends, compactions of any run of consecutive segments, and
+    checkpoints: each checkpoint's lists, one after the other, are exactly the live
+    segments in LSN order; there are never more than ``MAX_SEGMENT_LISTS``; a list no
+    commit since took a segment out of is reused; and appends alone write only the
+    binary counter's share."""
+    live: dict[str, SegmentInfo] = {}
+    lsn, seq, made = 1, 0, 0
+    known: KnownLists | None = None
+    changes: list[Manifest] = []
+    for kind, n, pick in ops:
+        if kind in (0, 1):  # append n one-row segments, a commit each
+            for _ in range(n):
+                seq += 1
+                s = _seg(f"s{made}", lsn)
+                made, lsn = made + 1, lsn + 1
+                live[s.path] = s
+                changes.append(_manifest(seq, [s], []))
+        elif kind == 2 and len(live) >= 2:  # compact a run of consecutive segments
+            order = sorted(live.values(), key=lambda s: s.first_lsn)
+            i = pick % (len(order) - 1)
+            run = order[i:i + 2 + pick % min(n, len(order) - i - 1)]
+            seq += 1
+            c = _seg(f"c{made}", run[0].first_lsn, sum(s.rows for s in run))
+            made += 1
+            for s in run:
+                del live[s.path]
+            live[c.path] = c
+            changes.append(_manifest(seq, [c], [s.path for s in run]))
+        else:  # a checkpoint at seq
+            plan = plan_lists(known, changes, live)
+            lists, _rows = _written(plan, seq)
+            assert [p for sl in lists for p in sl.paths] == [
+                s.path for s in sorted(live.values(), key=lambda s: s.first_lsn)]
+            assert len(lists) <= MAX_SEGMENT_LISTS
+            if known is not None:
+                touched = {p for m in changes for p in m.supersedes}
+                kept = [sl for sl in known.lists if not touched & set(sl.paths)]
+                reused = [sl for sl in lists if sl in known.lists]
+                # every untouched list is reused, but for those merged at the tail
+                assert reused == kept[:len(reused)]
+            known, changes = KnownLists.of(seq, lists), []
+
+
+def test_appends_alone_write_each_segment_about_log2_times() -> None:
+    """100,000 segments, a checkpoint every 100: 1,000 checkpoints write 506,000 segment
+    entries in all (each segment about 5 times), where each writing every live segment
+    wrote 50 million."""
+    live: dict[str, SegmentInfo] = {}
+    known = None
+    total = 0
+    for k in range(1000):
+        changes = []
+        for j in range(100):
+            s = _seg(f"s{k}-{j}", k * 100 + j + 1)
+            live[s.path] = s
+            changes.append(_manifest(k * 100 + j + 1, [s], []))
+        lists, rows = _written(plan_lists(known, changes, live), (k + 1) * 100)
+        total += rows
+        known = KnownLists.of((k + 1) * 100, lists)
+    assert len(known.lists) == bin(1000).count("1") == 6
+    assert total == 100 * sum(_lowbit(n) for n in range(1, 1001)) == 506_000
+
+
+def test_list_names_carry_their_bytes_hash() -> None:
+    """Two processes writing a checkpoint at one seq may split it differently: their lists
+    never share a name unless they share their bytes."""
+    from poimen_data.log._lists import list_path
+
+    a, b = list_bytes([_seg("x", 1)]), list_bytes([_seg("x", 1), _seg("y", 2)])
+    assert list_path(7, a) != list_path(7, b)
+    assert list_path(7, a) == list_path(7, list_bytes([_seg("x", 1)]))
+    assert list_seq(list_path(7, a).removeprefix("_log/")) == 7
+    assert list_seq("00000000000000000007.checkpoint.segments.arrow") == 7
+    assert [list_seq(n) for n in ("00000000000000000007.checkpoint.json",
+                                  "00000000000000000007.checkpoint.segments.zz.arrow",
+                                  "x7.checkpoint.segments.arrow")] == [None, None, None]
