@@ -269,3 +269,62 @@ def test_list_names_carry_their_bytes_hash() -> None:
     assert [list_seq(n) for n in ("00000000000000000007.checkpoint.json",
                                   "00000000000000000007.checkpoint.segments.zz.arrow",
                                   "x7.checkpoint.segments.arrow")] == [None, None, None]
+
+
+def test_threads_reading_a_fresh_logs_segments_at_once_read_the_lists_once(
+        tmp_path: Path) -> None:
+    """Opening leaves a checkpoint's segment lists unread; four threads asking for the
+    segments at once read each list once (one reads, the others wait for it), not four
+    times (at 200,000 segments, 0.65 s each)."""
+    import threading
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for _ in range(6):
+        _commit(log)
+    again = pdm.open_log(str(tmp_path / "log"))
+    names = [e["path"] for e in json.loads(again.storage.read(checkpoint_path(6)))
+             ["segment_lists"]]
+    assert len(names) == 2
+    read, reads = again.storage.read_or_none, []
+    first_read, gate = threading.Event(), threading.Event()
+
+    def held(rel: str) -> bytes | None:
+        if rel in names:
+            reads.append(rel)
+            if len(reads) == 1:
+                first_read.set()
+                assert gate.wait(timeout=60)
+        return read(rel)
+
+    class Arrivals:
+        """The loading lock, counting the threads that come to it."""
+
+        def __init__(self, lock: Any) -> None:
+            self.lock, self.n, self.cond = lock, 0, threading.Condition()
+
+        def __enter__(self) -> None:
+            with self.cond:
+                self.n += 1
+                self.cond.notify_all()
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    arrivals = Arrivals(again._loading)
+    again._loading = arrivals  # type: ignore[assignment]
+    again.storage.read_or_none = held  # type: ignore[method-assign]
+    got: list[list[SegmentInfo]] = []
+    threads = [threading.Thread(target=lambda: got.append(again.segments())) for _ in range(4)]
+    threads[0].start()
+    assert first_read.wait(timeout=60)  # the first thread is reading
+    for t in threads[1:]:
+        t.start()
+    with arrivals.cond:  # the others have come to the lock
+        assert arrivals.cond.wait_for(lambda: arrivals.n == 4, timeout=60)
+    gate.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(reads) == sorted(names)
+    assert len(got) == 4 and all(g == got[0] for g in got)
+    assert [s.first_lsn for s in got[0]] == list(range(1, 7))

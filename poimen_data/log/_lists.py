@@ -170,11 +170,16 @@ def plan_lists(known: KnownLists | None, changes: Sequence[Manifest],
         items.append(fresh[i:])
     if not _ordered(items):  # not expected; one list of every segment is always right
         return plan_lists(None, changes, live)
-    while len(items) >= 2 and _count(items[-2]) <= _count(items[-1]):
-        _merge(items, len(items) - 2, live)
-    while len(items) > MAX_SEGMENT_LISTS:
-        j = min(range(len(items) - 1), key=lambda k: _count(items[k]) + _count(items[k + 1]))
-        _merge(items, j, live)
+    try:
+        while len(items) >= 2 and _count(items[-2]) <= _count(items[-1]):
+            _merge(items, len(items) - 2, live)
+        while len(items) > MAX_SEGMENT_LISTS:
+            j = min(range(len(items) - 1),
+                    key=lambda k: _count(items[k]) + _count(items[k + 1]))
+            _merge(items, j, live)
+    except KeyError:  # a merged list's segment not live: ``changes`` missed a commit (a
+        # caller's bug; a list merely reused is not looked through, that would cost O(n))
+        return plan_lists(None, changes, live)
     return items
 
 

@@ -124,6 +124,7 @@ def _forget_promotions() -> None:
         log._promotions = []
         log._lock = threading.RLock()
         log._pointer_lock = threading.Lock()
+        log._loading = threading.Lock()
     _RETAINED.forget()  # the parent's promotions hold those bytes, not the child's
 
 
@@ -298,6 +299,7 @@ class EventLog:
         # one checkpoint of this process at a time reads the pointer, then writes it (see
         # write_checkpoint); commits never take it
         self._pointer_lock = threading.Lock()
+        self._loading = threading.Lock()  # one thread reads a checkpoint's segment lists
         self._pid = os.getpid()
         self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
@@ -636,14 +638,20 @@ class EventLog:
         at 200,000 segments that takes 0.65 s, and this process's commits, which take the
         lock to publish, would wait for it (``_State.segments`` loads it under the lock
         when it is needed before this ran). The manifests applied meanwhile are applied to
-        it under the lock."""
+        it under the lock. Threads that ask meanwhile wait for the one reading (at 200,000
+        segments each would read them all again); never called with the log's lock held
+        (the reader takes it to install them)."""
         with self._lock:
             st, loader = self._state, self._state._loader
         if loader is None:
             return
-        base = loader()
-        with self._lock:
-            st.install_segments(base, loader)
+        with self._loading:  # one thread reads them; those that came meanwhile wait
+            with self._lock:
+                if st._loader is not loader:
+                    return  # read by the thread before
+            base = loader()
+            with self._lock:
+                st.install_segments(base, loader)
 
     def segments(self, at_lsn: int | None = None, min_lsn: int = 1) -> list[SegmentInfo]:
         """Live segments holding events with ``min_lsn <= lsn <= at_lsn``, in LSN order."""
@@ -1087,6 +1095,7 @@ class EventLog:
             lists.append(SegmentList.of(entry, item))
         doc["segment_lists"] = [sl.entry for sl in lists]
         self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
+        now_known = _known_after(known, lists, at_seq)  # a dict of every segment: not locked
         with self._pointer_lock:  # not another checkpoint of this process in between
             pointer = self._pointer_seq()
             with self._lock:
@@ -1108,7 +1117,7 @@ class EventLog:
             # looked at (a checkpoint, the next open's roll-forward)
             after = [m for m in st.manifests_since_checkpoint if m.seq > at_seq]
             st.checkpoint_seq = at_seq
-            self._known_lists = _known_after(known, lists, at_seq)
+            self._known_lists = now_known
             st.manifests_since_checkpoint = after
             self._promoted.intersection_update(m.txn for m in after)
             st.pending = {(b.tenant, b.sha256): b.staged for m in after for b in m.blobs
