@@ -328,3 +328,30 @@ def test_threads_reading_a_fresh_logs_segments_at_once_read_the_lists_once(
     assert sorted(reads) == sorted(names)
     assert len(got) == 4 and all(g == got[0] for g in got)
     assert [s.first_lsn for s in got[0]] == list(range(1, 7))
+
+
+def test_a_writer_killed_between_its_lists_and_its_checkpoint_leaves_the_log_whole(
+        proc_root: Root) -> None:
+    """A child process killed once checkpoint 4's new segment list is written and its
+    document is not: the log opens at checkpoint 2 and reads every event; the list left
+    alone goes with vacuum; the next checkpoint is written as if nothing happened."""
+    from test_log_processes import _assert_consistent, _child
+
+    log = proc_root.open(checkpoint_interval=2)
+    for _ in range(2):
+        _commit(log)
+    res = _child(proc_root, "record", "run-k", crash_at="checkpoint_lists_written")
+    assert res.returncode == 137, res.stderr.decode()[-2000:]
+    again = proc_root.open()
+    assert (again._state.checkpoint_seq, again.head_seq) == (2, 4)
+    assert not again.storage.exists(checkpoint_path(4))
+    lone = [n for n in again.storage.list_dir("_log") if list_seq(n) == 4]
+    assert len(lone) == 1
+    assert again.read_events().column("run_id").to_pylist()[-2:] == ["run-k", "run-k"]
+    _assert_consistent(again)
+    assert pdm.vacuum(again, grace=0, force=True).checkpoints_removed == 1  # the lone list
+    assert not any(list_seq(n) == 4 for n in again.storage.list_dir("_log"))
+    for _ in range(2):
+        _commit(again)
+    assert _lists(again, 6) == [(6, 6)]  # 2 + 4 segments: merged
+    assert [s.first_lsn for s in proc_root.open().segments()] == list(range(1, 7))

@@ -19,6 +19,7 @@ CRASH_POINTS = (
     "segment_written",
     "manifest_published",
     "blobs_promoted",
+    "checkpoint_lists_written",
     "state_written",
     "state_published",
 )

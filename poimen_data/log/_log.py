@@ -1094,6 +1094,7 @@ class EventLog:
             self.storage.put_if_absent(entry["path"], data)  # taken: the same bytes
             lists.append(SegmentList.of(entry, item))
         doc["segment_lists"] = [sl.entry for sl in lists]
+        crash_point("checkpoint_lists_written")
         self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
         now_known = _known_after(known, lists, at_seq)  # a dict of every segment: not locked
         with self._pointer_lock:  # not another checkpoint of this process in between
