@@ -20,6 +20,7 @@ from poimen_data.log._lists import (
     KnownLists,
     SegmentList,
     list_bytes,
+    list_entry,
     list_seq,
     plan_lists,
 )
@@ -60,6 +61,8 @@ def test_each_checkpoint_writes_one_list_of_its_lowest_binary_digit(root: Root) 
         again = root.open()
         assert again._state.checkpoint_seq == n
         assert again.segments() == log.segments()
+        known = again._known_lists  # read from the lists, not rebuilt from the manifests
+        assert known is not None and (known.seq, len(known.lists)) == (n, len(digits))
     assert written == sum(_lowbit(n) for n in range(1, 24)) == 60  # not 1 + 2 + ... + 23
 
 
@@ -105,46 +108,94 @@ def test_a_checkpoint_written_before_lists_were_shared_is_read_and_reused(
         _commit(again)
     assert _lists(again, 6) == [(4, 4), (6, 2)]  # its first: the old file
     assert json.loads(st.read(checkpoint_path(6)))["segment_lists"][0]["path"] == old
-    assert pdm.vacuum(again, grace=0).checkpoints_removed == 1  # 2
+    report = pdm.vacuum(again, grace=0)
+    assert (report.checkpoints_removed, report.segment_lists_removed) == (1, 1)  # 2's
     for _ in range(2):
         _commit(again)
     assert _lists(again, 8) == [(8, 8)]
-    assert pdm.vacuum(again, grace=0).checkpoints_removed == 1  # 4's document
+    report = pdm.vacuum(again, grace=0)
+    assert (report.checkpoints_removed, report.segment_lists_removed) == (1, 0)  # 4's doc
     assert st.exists(old)  # 6 names it, kept: opening falls back to it
     for _ in range(2):
         _commit(again)
     assert _lists(again, 10) == [(8, 8), (10, 2)]
-    assert pdm.vacuum(again, grace=0).checkpoints_removed == 2  # 6, and 4's old file
+    report = pdm.vacuum(again, grace=0)  # 6's document and list, and 4's old file
+    assert (report.checkpoints_removed, report.segment_lists_removed) == (1, 2)
     assert not st.exists(old)
     assert [s.first_lsn for s in pdm.open_log(str(tmp_path / "log")).segments()] \
         == list(range(1, 11))
 
 
-def test_lists_are_reused_only_from_a_checkpoint_at_or_past_the_pointer(
-        tmp_path: Path) -> None:
-    """Vacuum keeps the pointer's checkpoint and those past it; an older one's lists may be
-    gone once it has been superseded for grace. A writer whose own last checkpoint is
-    behind another writer's (the pointer) writes every segment again."""
+def test_a_writer_behind_the_pointer_starts_from_the_pointers_lists(tmp_path: Path) -> None:
+    """Several writers: one whose own last checkpoint is behind another's (the pointer)
+    starts from the pointer's lists, read from its document alone (vacuum keeps those; its
+    own may be gone once superseded for grace), and reads back a list it merges."""
     a = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
     for _ in range(8):
         _commit(a)
     assert _lists(a, 8) == [(8, 8)]
     b = pdm.open_log(str(tmp_path / "log"))
-    b.segments()  # b knows checkpoint 8's lists
     for _ in range(2):
         _commit(b)  # checkpoint 10, by b: the pointer
     assert _lists(b, 10) == [(8, 8), (10, 2)]
+    _commit(a)
+    assert a.write_checkpoint() == 11  # a's own is 8: it starts from 10's
+    assert _lists(a, 11) == [(8, 8), (10, 2), (11, 1)]
+    _commit(b)
+    assert b.write_checkpoint() == 12  # b's own (10) is behind 11: it merges a's back
+    assert _lists(b, 12) == [(8, 8), (12, 4)]
+    a.refresh()
+    for log in (a, b, pdm.open_log(str(tmp_path / "log"))):
+        assert [s.first_lsn for s in log.segments()] == list(range(1, 13))
+
+
+def test_a_list_gone_before_a_checkpoint_reuses_it_is_written_again(tmp_path: Path) -> None:
+    """A list the checkpoint before named, gone (vacuum, after another writer's pointer
+    passed back over it): the next checkpoint looks for the lists it would reuse, and
+    writes every segment again."""
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for _ in range(8):
+        _commit(log)
+    [eight] = [e["path"] for e in
+               json.loads(log.storage.read(checkpoint_path(8)))["segment_lists"]]
+    log.storage.delete(eight)
     for _ in range(2):
-        _commit(a)  # checkpoint 12, by a, whose own (8) is behind the pointer
-    assert _lists(a, 12) == [(12, 12)]
+        _commit(log)
+    assert _lists(log, 10) == [(10, 10)]
+    assert json.loads(log.storage.read("_log/_last_checkpoint.json"))["seq"] == 10
+
+
+def test_a_list_gone_while_its_checkpoint_is_written_keeps_the_pointer_back(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A list removed after the checkpoint looked for it and before its document landed:
+    the pointer is not moved to that checkpoint (opening goes on from the one before it),
+    and the next checkpoint writes every segment again."""
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for _ in range(8):
+        _commit(log)
+    [eight] = [e["path"] for e in
+               json.loads(log.storage.read(checkpoint_path(8)))["segment_lists"]]
+    put = log.storage.put_if_absent
+
+    def vacuum_meanwhile(rel: str, data: bytes) -> bool:
+        if rel == checkpoint_path(10):
+            log.storage.delete(eight)
+        return put(rel, data)
+
+    monkeypatch.setattr(log.storage, "put_if_absent", vacuum_meanwhile)
     for _ in range(2):
-        _commit(a)  # 14: a's own is 12, the pointer
-    assert _lists(a, 14) == [(12, 12), (14, 2)]
+        _commit(log)
+    assert [p["path"] for p in json.loads(log.storage.read(checkpoint_path(10)))
+            ["segment_lists"]][0] == eight  # named, gone
+    assert json.loads(log.storage.read("_log/_last_checkpoint.json"))["seq"] == 8
+    assert pdm.open_log(str(tmp_path / "log"))._state.checkpoint_seq < 10
     for _ in range(2):
-        _commit(b)  # 16: b's own is 10, behind the pointer (14)
-    assert _lists(b, 16) == [(16, 16)]
-    assert [s.first_lsn for s in pdm.open_log(str(tmp_path / "log")).segments()] \
-        == list(range(1, 17))
+        _commit(log)
+    assert _lists(log, 12) == [(12, 12)]
+    assert json.loads(log.storage.read("_log/_last_checkpoint.json"))["seq"] == 12
+    again = pdm.open_log(str(tmp_path / "log"))
+    assert again._state.checkpoint_seq == 12
+    assert [s.first_lsn for s in again.segments()] == list(range(1, 13))
 
 
 def test_a_checkpoint_whose_list_is_missing_is_passed_over_at_open(tmp_path: Path) -> None:
@@ -184,24 +235,32 @@ def _written(plan: list[Any], seq: int) -> tuple[list[SegmentList], int]:
             out.append(x)
             continue
         rows += len(x)
-        out.append(SegmentList.of({"path": f"{seq}-{len(out)}", "size": 0, "sha256": ""}, x))
+        data = list_bytes(x)
+        out.append(SegmentList(list_entry(f"{seq}-{len(out)}", data, x), tuple(x)))
     return out, rows
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(0, 1000)),
-                min_size=1, max_size=40))
-def test_a_plan_lists_every_live_segment_once_in_lsn_order(ops: list[tuple[int, int, int]]
-                                                           ) -> None:
+                min_size=1, max_size=40), st.randoms(use_true_random=False))
+def test_a_plan_lists_every_live_segment_once_in_lsn_order(
+        ops: list[tuple[int, int, int]], rnd: Any) -> None:
     """Random histories of appends, compactions of any run of consecutive segments, and
-    checkpoints: each checkpoint's lists, one after the other, are exactly the live
-    segments in LSN order; there are never more than ``MAX_SEGMENT_LISTS``; a list no
-    commit since took a segment out of is reused; and appends alone write only the
-    binary counter's share."""
+    checkpoints, each starting from the lists of the one before, held in memory or known
+    from a document alone (another writer's, read back to merge): each checkpoint's lists,
+    one after the other, are exactly the live segments in LSN order; there are never more
+    than ``MAX_SEGMENT_LISTS``; every list no commit since took a segment out of is reused
+    unless merged at the tail; and appends alone write only the binary counter's share."""
     live: dict[str, SegmentInfo] = {}
     lsn, seq, made = 1, 0, 0
     known: KnownLists | None = None
+    files: dict[str, tuple[SegmentInfo, ...]] = {}
     changes: list[Manifest] = []
+    checkpoints = 0
+
+    def read(sl: SegmentList) -> tuple[SegmentInfo, ...]:
+        return files[sl.entry["path"]]
+
     for kind, n, pick in ops:
         if kind in (0, 1):  # append n one-row segments, a commit each
             for _ in range(n):
@@ -222,18 +281,32 @@ def test_a_plan_lists_every_live_segment_once_in_lsn_order(ops: list[tuple[int, 
             live[c.path] = c
             changes.append(_manifest(seq, [c], [s.path for s in run]))
         else:  # a checkpoint at seq
-            plan = plan_lists(known, changes, live)
-            lists, _rows = _written(plan, seq)
-            assert [p for sl in lists for p in sl.paths] == [
+            only_appends = not any(m.supersedes for m in changes)
+            plan = plan_lists(known, changes, live, read)
+            lists, rows = _written(plan, seq)
+            files.update((sl.entry["path"], sl.segs) for sl in lists if sl.segs is not None)
+            assert [s.path for sl in lists for s in (sl.segs or read(sl))] == [
                 s.path for s in sorted(live.values(), key=lambda s: s.first_lsn)]
+            assert all(sl.count == len(sl.segs or read(sl)) for sl in lists)
             assert len(lists) <= MAX_SEGMENT_LISTS
             if known is not None:
                 touched = {p for m in changes for p in m.supersedes}
-                kept = [sl for sl in known.lists if not touched & set(sl.paths)]
+                kept = [sl for sl in known.lists
+                        if not touched & {s.path for s in (sl.segs or read(sl))}]
                 reused = [sl for sl in lists if sl in known.lists]
-                # every untouched list is reused, but for those merged at the tail
-                assert reused == kept[:len(reused)]
-            known, changes = KnownLists.of(seq, lists), []
+                merged = len(kept) - len(reused)  # the tail's, into the new list
+                assert reused == kept[:len(reused)] and merged >= 0
+                if merged:
+                    assert sum(x.count for x in kept[len(reused):]) <= lists[-1].count
+                if only_appends:
+                    new = sum(len(m.segments) for m in changes)
+                    assert rows == new + sum(x.count for x in kept[len(reused):])
+            checkpoints += 1
+            # the next checkpoint starts from these lists, held (this process wrote
+            # them), or known from the document only (another writer's)
+            known = KnownLists(seq, tuple(sl if rnd.random() < 0.5 else SegmentList(sl.entry)
+                                          for sl in lists))
+            changes = []
 
 
 def test_appends_alone_write_each_segment_about_log2_times() -> None:
@@ -249,11 +322,16 @@ def test_appends_alone_write_each_segment_about_log2_times() -> None:
             s = _seg(f"s{k}-{j}", k * 100 + j + 1)
             live[s.path] = s
             changes.append(_manifest(k * 100 + j + 1, [s], []))
-        lists, rows = _written(plan_lists(known, changes, live), (k + 1) * 100)
+        lists, rows = _written(plan_lists(known, changes, live, _no_read),
+                               (k + 1) * 100)
         total += rows
-        known = KnownLists.of((k + 1) * 100, lists)
-    assert len(known.lists) == bin(1000).count("1") == 6
+        known = KnownLists((k + 1) * 100, tuple(lists))
+    assert known is not None and len(known.lists) == bin(1000).count("1") == 6
     assert total == 100 * sum(_lowbit(n) for n in range(1, 1001)) == 506_000
+
+
+def _no_read(sl: SegmentList) -> list[SegmentInfo]:
+    raise AssertionError(f"read {sl.entry['path']}: its segments are held")
 
 
 def test_list_names_carry_their_bytes_hash() -> None:
@@ -349,7 +427,10 @@ def test_a_writer_killed_between_its_lists_and_its_checkpoint_leaves_the_log_who
     assert len(lone) == 1
     assert again.read_events().column("run_id").to_pylist()[-2:] == ["run-k", "run-k"]
     _assert_consistent(again)
-    assert pdm.vacuum(again, grace=0, force=True).checkpoints_removed == 1  # the lone list
+    report = pdm.vacuum(again)  # the default grace: a writer may be about to put its doc
+    assert report.segment_lists_removed == 0 and again.storage.exists(f"_log/{lone[0]}")
+    report = pdm.vacuum(again, grace=0, force=True)
+    assert (report.checkpoints_removed, report.segment_lists_removed) == (0, 1)  # alone
     assert not any(list_seq(n) == 4 for n in again.storage.list_dir("_log"))
     for _ in range(2):
         _commit(again)

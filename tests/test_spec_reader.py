@@ -185,6 +185,7 @@ def test_reader_equals_events_view(tmp_path: Path, interval: int, runs: int) -> 
     assert got.schema == E.LOG_SCHEMA
     assert got.to_pylist() == want.to_pylist()
     cp_seq = json.loads((tmp_path / "log/_log/_last_checkpoint.json").read_bytes())["seq"]
+    assert _from_checkpoint(root)[0] == cp_seq  # the checkpoint read, not passed over
     cp = json.loads((tmp_path / f"log/_log/{cp_seq:020d}.checkpoint.json").read_bytes())
     assert [len(r) for r in cp["reduced"]] == [3, 3] and cp["recommitted"] == []
 

@@ -37,6 +37,7 @@ from poimen_data.log import LEASE, lease, lease_holder
 from poimen_data.log._lists import list_entries, list_seq
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import (
+    LOG_DIR,
     Manifest,
     SegmentInfo,
     blob_path,
@@ -158,7 +159,8 @@ class VacuumReport:
     kept_young: int = 0  # files left because they are younger than the grace period
     state_files_removed: int = 0  # materialized-state files no pointer names
     temp_files_removed: int = 0  # temp files a writer died with under _log/
-    checkpoints_removed: int = 0  # checkpoints no reader falls back to (see vacuum)
+    checkpoints_removed: int = 0  # checkpoint documents no reader falls back to (see vacuum)
+    segment_lists_removed: int = 0  # checkpoints' segment lists no document left names
 
 
 def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
@@ -200,11 +202,12 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         staged_files = {txn: list(st.walk_files(f"_staging/{txn}")) for txn in staging}
         # temp files of a dead writer: a manifest's before its link, a pointer's or the
         # lease's before its rename (local disk only: S3 and memory write in one request)
+        pointer = log._pointer_seq()  # before the listing: what it names is listed
         log_names = st.list_dir("_log")
         temps = [] if not st.leaves_temp_files else (
             [n for n in st.list_dir("") if ".tmp-" in n]
             + [f"_log/{n}" for n in log_names if ".tmp-" in n])
-        checkpoint_files = _superseded_checkpoints(log, log_names)
+        checkpoint_files = _superseded_checkpoints(log, log_names, pointer)
         seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
@@ -288,13 +291,14 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         state_removed = _vacuum_state(log, state_files, lambda p: old(p, grace))
         held.check()  # a live writer's temp file is younger than grace
         temps_removed = sum(st.delete(p) for p in temps if old(p, grace))
-        checkpoints, ck_bytes, ck_young = _vacuum_checkpoints(
+        checkpoints, lists_removed, ck_bytes, ck_young = _vacuum_checkpoints(
             log, checkpoint_files, lambda p: old(p, grace), held.check)
         nbytes, young = nbytes + ck_bytes, young + ck_young
         log.refresh()
     return VacuumReport(removed, promoted, segs, bodies, nbytes, young,
                         state_files_removed=state_removed, temp_files_removed=temps_removed,
-                        checkpoints_removed=checkpoints)
+                        checkpoints_removed=checkpoints,
+                        segment_lists_removed=lists_removed)
 
 
 @dataclass
@@ -306,7 +310,8 @@ class _CheckpointFiles:
     superseded: list[tuple[int, str]]  # (seq, the next document after it) vacuum may remove
 
 
-def _superseded_checkpoints(log: EventLog, names: list[str]) -> _CheckpointFiles:
+def _superseded_checkpoints(log: EventLog, names: list[str], pointer: int
+                            ) -> _CheckpointFiles:
     """The checkpoints vacuum may remove, from a listing of ``_log/``: each with the
     document of the next checkpoint after it, whose age is how long it has been superseded;
     none when the pointer is missing or unreadable. Kept: every checkpoint past the
@@ -323,7 +328,6 @@ def _superseded_checkpoints(log: EventLog, names: list[str]) -> _CheckpointFiles
             docs[int(head)] = f"_log/{n}"
         elif (seq := list_seq(n)) is not None:
             lists.setdefault(seq, []).append(f"_log/{n}")
-    pointer = log._pointer_seq()
     out = _CheckpointFiles(docs, lists, [])
     if not pointer:
         return out
@@ -342,14 +346,17 @@ def _superseded_checkpoints(log: EventLog, names: list[str]) -> _CheckpointFiles
 
 def _vacuum_checkpoints(log: EventLog, files: _CheckpointFiles,
                         old_enough: Callable[[str], bool], check: Callable[[], None]
-                        ) -> tuple[int, int, int]:
+                        ) -> tuple[int, int, int, int]:
     """Remove the superseded checkpoints' documents that have been superseded for grace
     (a reader that opened at one meanwhile rebuilds its segments from the manifests),
     then every segment list that no document left names: a removed checkpoint's, and one
     whose document never landed once it is older than grace (a writer may be about to put
-    it). A list a later checkpoint reuses stays, whoever wrote it. Documents are removed
-    first: none names a list gone. Returns (checkpoints removed, bytes, files kept young):
-    a document, or the lists of a seq that has none, count as one checkpoint."""
+    it). A list a later checkpoint reuses stays, whoever wrote it; ``_log/`` is listed
+    again first, for the documents written since the first listing (a writer's, which
+    may reuse lists of a checkpoint this run removed; one that lands after this second
+    look is not moved to by its writer, see ``EventLog.write_checkpoint``). Documents are
+    removed first: none names a list gone. Returns (documents removed, lists removed,
+    bytes, files kept young)."""
     st = log.storage
     removed: set[int] = set()
     nbytes = young = 0
@@ -361,21 +368,26 @@ def _vacuum_checkpoints(log: EventLog, files: _CheckpointFiles,
         nbytes += st.size(files.docs[seq]) or 0
         st.delete(files.docs[seq])
         removed.add(seq)
-    staying = [seq for seq in files.docs if seq not in removed]
+    docs = {seq: p for seq, p in files.docs.items() if seq not in removed}
+    for n in st.list_dir(LOG_DIR):  # written since the first listing
+        head, dot, rest = n.partition(".")
+        if dot and rest == "checkpoint.json" and head.isascii() and head.isdigit() \
+                and int(head) not in files.docs:
+            docs[int(head)] = f"{LOG_DIR}/{n}"
+    staying = sorted(docs)
     named: set[str] = set()
     for seq, data in zip(staying, log._fan_out(
-            st.read_or_none, [files.docs[seq] for seq in staying]), strict=True):
+            st.read_or_none, [docs[seq] for seq in staying]), strict=True):
         if data is None:
             continue  # removed meanwhile (another vacuum)
         try:  # a damaged document: never opened at, what it names is not needed
-            named.update(e["path"] for e in list_entries(loads(data, files.docs[seq])))
+            named.update(e["path"] for e in list_entries(loads(data, docs[seq])))
         except (CorruptionError, KeyError, ValueError, TypeError):
             continue
-    lone = 0
+    lists_removed = 0
     for seq, paths in files.lists.items():
-        if seq in files.docs and seq not in removed:
+        if seq in docs:
             continue  # its document stays (a list of it no document names: goes with it)
-        gone = 0
         for p in paths:
             check()
             if p in named:
@@ -384,9 +396,8 @@ def _vacuum_checkpoints(log: EventLog, files: _CheckpointFiles,
                 young += 1
                 continue
             nbytes += st.size(p) or 0
-            gone += st.delete(p)
-        lone += seq not in files.docs and gone == len(paths)
-    return len(removed) + lone, nbytes, young
+            lists_removed += st.delete(p)
+    return len(removed), lists_removed, nbytes, young
 
 
 def _note_pack(log: EventLog, key: tuple[str, str],

@@ -41,9 +41,12 @@ from poimen_data.log._faults import crash_point
 from poimen_data.log._lease import Lease
 from poimen_data.log._lists import (
     KnownLists,
+    Replan,
     SegmentList,
+    checked_segments,
     list_bytes,
     list_entries,
+    list_entry,
     list_path,
     list_segments,
     plan_lists,
@@ -242,24 +245,6 @@ class _State:
         return st
 
 
-def _known_after(known: KnownLists | None, lists: list[SegmentList],
-                 seq: int) -> KnownLists:
-    """The lists of the checkpoint at ``seq`` just written, ``known``'s reused: their
-    segments are looked up from ``known`` (a dict copy), only the new ones added."""
-    if known is None:
-        return KnownLists.of(seq, lists)
-    reused = {id(sl) for sl in known.lists}
-    where = dict(known.where)
-    for sl in known.lists:
-        if sl not in lists:
-            for p in sl.paths:
-                where.pop(p, None)
-    for sl in lists:
-        if id(sl) not in reused:
-            where.update(dict.fromkeys(sl.paths, sl))
-    return KnownLists(seq, tuple(lists), where)
-
-
 def _apply_segments(segments: dict[str, SegmentInfo], m: Manifest) -> None:
     for p in m.supersedes:
         segments.pop(p, None)
@@ -372,8 +357,8 @@ class EventLog:
                    for d, e in zip(datas, entries, strict=True)):
                 read = [list_segments(d) for d in datas if d is not None]
                 if self._known_lists is None:
-                    self._known_lists = KnownLists.of(seq, [
-                        SegmentList.of(e, segs) for e, segs in zip(entries, read, strict=True)])
+                    self._known_lists = KnownLists(seq, tuple(
+                        SegmentList.read(e, segs) for e, segs in zip(entries, read, strict=True)))
                 return {s.path: s for segs in read for s in segs}
             segments: dict[str, SegmentInfo] = {}
             for m in self.manifests():
@@ -940,21 +925,28 @@ class EventLog:
         if self.checkpoint_due(seq):
             self.write_checkpoint()
 
-    def _adopt_newer_checkpoint(self) -> int:
+    def _adopt_newer_checkpoint(self) -> tuple[int, KnownLists | None]:
         """Another process's checkpoint past ours (read from the pointer): its writer
         promoted every commit it covers first, so none of them is looked at again here, and
         the bodies it found lost are recorded lost here too, unless committed again since.
         Two reads; one unreadable or damaged is passed over (everything is looked at).
-        Returns the pointer's seq (0 when there is none, or it is unreadable)."""
+        Returns the pointer's seq (0 when there is none, or it is unreadable), and that
+        checkpoint's segment lists when it is past ours and names each with its span
+        (what this process's checkpoint may reuse)."""
         ck = self._pointer_seq()
+        lists = None
         try:
             with self._lock:
                 if ck <= self._state.checkpoint_seq:
-                    return ck
+                    return ck, None
             data = self.storage.read_or_none(checkpoint_path(ck))
             if data is None:
-                return ck
-            lost = loads(data, checkpoint_path(ck)).get("lost", ())
+                return ck, None
+            doc = loads(data, checkpoint_path(ck))
+            entries = list_entries(doc)
+            if doc.get("seq") == ck and all(SegmentList.spanned(e) for e in entries):
+                lists = KnownLists(ck, tuple(SegmentList(e) for e in entries))
+            lost = doc.get("lost", ())
             with self._lock:
                 self.refresh()
                 st = self._state
@@ -967,7 +959,7 @@ class EventLog:
                 self._promoted.update(m.txn for m in covered)
         except (CorruptionError, KeyError, ValueError, TypeError):
             pass
-        return ck
+        return ck, lists
 
     def _pointer_seq(self) -> int:
         """The seq ``_last_checkpoint.json`` points at; 0 when there is none, or it is
@@ -1037,7 +1029,7 @@ class EventLog:
                                           f"(1 to {self._state.seq}), got {upto!r}")
         self.flush()
         self._load_segments()  # before the lock is taken for the state below
-        pointed = self._adopt_newer_checkpoint()
+        pointed, pointer_lists = self._adopt_newer_checkpoint()
         # Commits not promoted by this process (other processes', and ours that staged no
         # body) are promoted here too, before the lock is taken: a request or two per body
         # of theirs, which would hold up this process's reads and transactions meanwhile.
@@ -1074,29 +1066,27 @@ class EventLog:
             # "Checkpoints"); otherwise every segment is written again.
             live = dict(at.segments) if at is st else at.segments
             known = self._known_lists
-            if known is not None and not (known.seq == st.checkpoint_seq >= pointed):
+            if known is None or not known.seq == st.checkpoint_seq >= pointed:
+                known = pointer_lists  # past ours (see _adopt_newer_checkpoint)
+            if known is not None and not known.seq <= at_seq:
                 known = None
             changes = [] if known is None else [
-                m for m in st.manifests_since_checkpoint if m.seq <= at_seq]
+                m for m in st.manifests_since_checkpoint if known.seq < m.seq <= at_seq]
             doc = at.to_checkpoint([])
         # Planned, built and written outside the lock: the lists that changed, their
         # tables, bytes and hashes, then their files, made durable one after the other
         # (two fsyncs each on a local disk, a request each on an object store), while this
         # process's commits, which take the lock to publish, go on.
-        lists: list[SegmentList] = []
-        for item in plan_lists(known, changes, live):
-            if isinstance(item, SegmentList):
-                lists.append(item)
-                continue
-            data = list_bytes(item)
-            entry: dict[str, Any] = {"path": list_path(at_seq, data), "size": len(data),
-                     "sha256": hashlib.sha256(data).hexdigest()}
-            self.storage.put_if_absent(entry["path"], data)  # taken: the same bytes
-            lists.append(SegmentList.of(entry, item))
+        lists = self._checkpoint_lists(at_seq, known, changes, live)
         doc["segment_lists"] = [sl.entry for sl in lists]
         crash_point("checkpoint_lists_written")
         self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
-        now_known = _known_after(known, lists, at_seq)  # a dict of every segment: not locked
+        # A list reused may have gone since it was looked for: vacuum removes one once no
+        # checkpoint it keeps names it, and another writer's pointer can pass back over a
+        # newer checkpoint. Then the pointer is not moved to this checkpoint, and the next
+        # one writes every list again.
+        whole = self._lists_there([sl.entry for sl in lists if sl.segs is None or (
+            known is not None and sl in known.lists)])
         with self._pointer_lock:  # not another checkpoint of this process in between
             pointer = self._pointer_seq()
             with self._lock:
@@ -1106,7 +1096,7 @@ class EventLog:
             # not back past another writer's, written meanwhile (storage has no
             # compare-and-swap: another process's written between this read and the write
             # can still be passed back over); one past every commit names none: replaced
-            if not at_seq <= pointer <= head:
+            if whole and not at_seq <= pointer <= head:
                 self.storage.write(POINTER, dumps({"format": FORMAT_NAME,
                                                    "version": FORMAT_VERSION,
                                                    "seq": at_seq}))
@@ -1118,12 +1108,46 @@ class EventLog:
             # looked at (a checkpoint, the next open's roll-forward)
             after = [m for m in st.manifests_since_checkpoint if m.seq > at_seq]
             st.checkpoint_seq = at_seq
-            self._known_lists = now_known
+            self._known_lists = KnownLists(at_seq, tuple(lists)) if whole else None
             st.manifests_since_checkpoint = after
             self._promoted.intersection_update(m.txn for m in after)
             st.pending = {(b.tenant, b.sha256): b.staged for m in after for b in m.blobs
                           if b.staged is not None}
             return at_seq
+
+    def _checkpoint_lists(self, at_seq: int, known: KnownLists | None,
+                          changes: list[Manifest], live: Mapping[str, SegmentInfo]
+                          ) -> list[SegmentList]:
+        """The segment lists of the checkpoint at ``at_seq`` (``plan_lists``), those that
+        changed written (put-if-absent: a name taken holds the same bytes). Lists to reuse
+        are looked for first (``PIECE_POOL`` at a time on an object store): if one is
+        gone, every list is written again."""
+
+        def read(sl: SegmentList) -> list[SegmentInfo]:
+            try:
+                return checked_segments(sl, self.storage.read_or_none(sl.entry["path"]),
+                                        self.root)
+            except (CorruptionError, OSError, ValueError, KeyError, pa.ArrowInvalid):
+                raise Replan from None
+
+        plan = plan_lists(known, changes, live, read)
+        if not self._lists_there([x.entry for x in plan if isinstance(x, SegmentList)]):
+            plan = plan_lists(None, changes, live, read)
+        lists: list[SegmentList] = []
+        for item in plan:
+            if isinstance(item, SegmentList):
+                lists.append(item)
+                continue
+            data = list_bytes(item)
+            entry = list_entry(list_path(at_seq, data), data, item)
+            self.storage.put_if_absent(entry["path"], data)
+            lists.append(SegmentList(entry, tuple(item)))
+        return lists
+
+    def _lists_there(self, entries: list[dict[str, Any]]) -> bool:
+        """Whether every one of these segment lists is there, at its size."""
+        sizes = self._fan_out(self.storage.size, [e["path"] for e in entries])
+        return sizes == [e["size"] for e in entries]
 
     def _state_at(self, upto: int) -> _State | None:
         """The state as of seq ``upto`` (lock held), as a checkpoint needs it: the head's,
