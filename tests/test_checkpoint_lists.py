@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 from conftest import Root
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -298,9 +299,15 @@ def test_a_plan_lists_every_live_segment_once_in_lsn_order(
                 assert reused == kept[:len(reused)] and merged >= 0
                 if merged:
                     assert sum(x.count for x in kept[len(reused):]) <= lists[-1].count
-                if only_appends:
-                    new = sum(len(m.segments) for m in changes)
-                    assert rows == new + sum(x.count for x in kept[len(reused):])
+                if only_appends and changes and len(lists) < MAX_SEGMENT_LISTS:
+                    # the binary counter: the new segments merged with each list before
+                    # them while that one holds no more, and no other list written
+                    tail = sum(len(m.segments) for m in changes)
+                    for x in reversed(kept[len(reused):]):
+                        assert x.count <= tail
+                        tail += x.count
+                    assert not reused or reused[-1].count > tail
+                    assert rows == tail == lists[-1].count
             checkpoints += 1
             # the next checkpoint starts from these lists, held (this process wrote
             # them), or known from the document only (another writer's)
@@ -436,3 +443,167 @@ def test_a_writer_killed_between_its_lists_and_its_checkpoint_leaves_the_log_who
         _commit(again)
     assert _lists(again, 6) == [(6, 6)]  # 2 + 4 segments: merged
     assert [s.first_lsn for s in proc_root.open().segments()] == list(range(1, 7))
+
+
+def test_a_checkpoint_never_starts_from_lists_older_than_this_processs_own(
+        tmp_path: Path) -> None:
+    """A thread's checkpoint read the pointer (4) before other threads of its process
+    checkpointed past it (6, then 8 with a reused list removed meanwhile, so no lists are
+    known after it) and another process compacted s1..s4: the commits between 4 and 8 are
+    no longer among those this process keeps since its checkpoint, so 4's lists cannot be
+    planned from. It writes every list again; a reader sees every event."""
+    root = str(tmp_path / "log")
+    a = pdm.open_log(root, checkpoint_interval=1000)
+    for _ in range(4):
+        _commit(a)
+    assert pdm.open_log(root).write_checkpoint() == 4
+    adopt, nested = a._adopt_newer_checkpoint, []
+
+    def others_meanwhile() -> tuple[int, Any]:
+        got = adopt()
+        if nested:
+            return got
+        nested.append(True)
+        _commit(a, 10)
+        _commit(a, 10)
+        assert a.write_checkpoint() == 6
+        c = pdm.open_log(root)
+        c.write_checkpoint = lambda *args, **kw: 0  # type: ignore[method-assign]
+        assert pdm.compact(c, target_rows=4, min_rows=2).seq == 7
+        [six] = [e["path"] for e in json.loads(a.storage.read(checkpoint_path(6)))
+                 ["segment_lists"] if e["path"].startswith(f"_log/{6:020d}")]
+        put = a.storage.put_if_absent
+
+        def vacuum_meanwhile(rel: str, data: bytes) -> bool:
+            if rel == checkpoint_path(8):
+                a.storage.delete(six)
+            return put(rel, data)
+
+        _commit(a)
+        a.storage.put_if_absent = vacuum_meanwhile  # type: ignore[method-assign]
+        assert a.write_checkpoint() == 8 and a._known_lists is None
+        a.storage.put_if_absent = put  # type: ignore[method-assign]
+        _commit(a)
+        return got
+
+    a._adopt_newer_checkpoint = others_meanwhile  # type: ignore[method-assign]
+    assert a.write_checkpoint() == 9
+    assert _lists(a, 9) == [(9, 5)]  # s1..s4 compacted into one; seqs 5, 6 (ten each), 8, 9
+    fresh = pdm.open_log(root)
+    assert fresh._state.checkpoint_seq == 9
+    assert fresh.read_events().column("lsn").to_pylist() == list(range(1, 27))
+
+
+def test_a_list_whose_name_was_taken_and_is_removed_keeps_the_pointer_back(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A writer killed before its checkpoint's document left a list alone; another writing
+    the same checkpoint finds its name taken (the same bytes), and a vacuum removes that
+    list, old, before the document lands: the pointer stays where it was."""
+    import os
+    import time
+
+    root = str(tmp_path / "log")
+    log = pdm.open_log(root, checkpoint_interval=1000)
+    for _ in range(2):
+        _commit(log)
+    assert log.write_checkpoint() == 2
+    dead = pdm.open_log(root)
+    for _ in range(2):
+        _commit(dead)
+    put = dead.storage.put_if_absent
+
+    def killed(rel: str, data: bytes) -> bool:
+        if rel == checkpoint_path(4):
+            raise SystemExit("killed before its document")
+        return put(rel, data)
+
+    monkeypatch.setattr(dead.storage, "put_if_absent", killed)
+    with pytest.raises(SystemExit):
+        dead.write_checkpoint()
+    [lone] = [n for n in os.listdir(f"{root}/_log") if list_seq(n) == 4]
+    long_ago = time.time() - 3600
+    os.utime(f"{root}/_log/{lone}", (long_ago, long_ago))
+    w = pdm.open_log(root)
+    wput, taken = w.storage.put_if_absent, []
+
+    def vacuum_meanwhile(rel: str, data: bytes) -> bool:
+        if rel == checkpoint_path(4):
+            assert pdm.vacuum(root, grace=60).segment_lists_removed == 1
+        ok = wput(rel, data)
+        taken.append((rel, ok))
+        return ok
+
+    monkeypatch.setattr(w.storage, "put_if_absent", vacuum_meanwhile)
+    assert w.write_checkpoint() == 4
+    assert taken == [(f"_log/{lone}", False), (checkpoint_path(4), True)]
+    assert json.loads(w.storage.read("_log/_last_checkpoint.json"))["seq"] == 2
+    assert pdm.open_log(root)._state.checkpoint_seq == 2
+
+
+def test_vacuum_keeps_the_lists_of_a_checkpoint_written_while_it_listed(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """While vacuum lists ``_log/``, a writer whose pointer was passed back over (to 6)
+    writes checkpoint 7 from 6's lists; vacuum, at pointer 10, removes 6 (4 and 2 too):
+    it lists ``_log/`` again, so 7's lists, which only 6 named, stay."""
+    from poimen_data.log._manifest import POINTER
+
+    root = str(tmp_path / "log")
+    a = pdm.open_log(root, checkpoint_interval=2)
+    for _ in range(6):
+        _commit(a)
+    assert _lists(a, 6) == [(4, 4), (6, 2)]
+    w = pdm.open_log(root)
+    w.segments()  # w's own: checkpoint 6's lists
+    for _ in range(4):
+        _commit(a)
+    assert _lists(a, 10) == [(8, 8), (10, 2)]
+    list_dir = a.storage.list_dir
+    seen: list[str] = []
+
+    def writer_meanwhile(rel: str) -> list[str]:
+        names = list_dir(rel)
+        if rel == "_log" and not seen:
+            seen.append(rel)
+            a.storage.write(POINTER, dumps({"format": "poimen-log", "version": 1, "seq": 6}))
+            assert w.write_checkpoint(upto=7) == 7
+            a.storage.write(POINTER, dumps({"format": "poimen-log", "version": 1, "seq": 10}))
+        return names
+
+    monkeypatch.setattr(a.storage, "list_dir", writer_meanwhile)
+    report = pdm.vacuum(a, grace=0)
+    assert (report.checkpoints_removed, report.segment_lists_removed) == (3, 1)  # 2's list
+    assert _lists(a, 7) == [(4, 4), (6, 2), (7, 1)]  # every one there
+    a.storage.write(POINTER, dumps({"format": "poimen-log", "version": 1, "seq": 7}))
+    seven = pdm.open_log(root)
+    assert seven._state.checkpoint_seq == 7
+    assert [s.first_lsn for s in seven.segments()] == list(range(1, 11))
+
+
+def test_a_checkpoint_that_finds_its_seq_taken_judges_the_document_there(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Writer a's checkpoint 10 names a list removed while it was written (its pointer
+    stays at 8). Writer b, another process, writes its own checkpoint 10: its document
+    loses to a's, and it looks at the lists a's names, not its own: the pointer stays."""
+    root = str(tmp_path / "log")
+    a = pdm.open_log(root, checkpoint_interval=2)
+    for _ in range(8):
+        _commit(a)
+    [eight] = [e["path"] for e in json.loads(a.storage.read(checkpoint_path(8)))
+               ["segment_lists"]]
+    b = pdm.open_log(root)
+    put = a.storage.put_if_absent
+
+    def vacuum_meanwhile(rel: str, data: bytes) -> bool:
+        if rel == checkpoint_path(10):
+            a.storage.delete(eight)
+        return put(rel, data)
+
+    monkeypatch.setattr(a.storage, "put_if_absent", vacuum_meanwhile)
+    for _ in range(2):
+        _commit(a)
+    monkeypatch.setattr(a.storage, "put_if_absent", put)
+    pointer = lambda: json.loads(a.storage.read("_log/_last_checkpoint.json"))["seq"]  # noqa: E731
+    assert pointer() == 8
+    assert b.write_checkpoint() == 10 and b._known_lists is None
+    assert pointer() == 8
+    assert [s.first_lsn for s in pdm.open_log(root).segments()] == list(range(1, 11))

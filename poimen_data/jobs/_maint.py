@@ -353,10 +353,12 @@ def _vacuum_checkpoints(log: EventLog, files: _CheckpointFiles,
     whose document never landed once it is older than grace (a writer may be about to put
     it). A list a later checkpoint reuses stays, whoever wrote it; ``_log/`` is listed
     again first, for the documents written since the first listing (a writer's, which
-    may reuse lists of a checkpoint this run removed; one that lands after this second
-    look is not moved to by its writer, see ``EventLog.write_checkpoint``). Documents are
-    removed first: none names a list gone. Returns (documents removed, lists removed,
-    bytes, files kept young)."""
+    may reuse lists of a checkpoint this run removed). That narrows a race, it does not
+    close it: a document landing after the second listing can still name a list removed
+    here; its writer then does not move the pointer to it if it looks after the removal
+    (``EventLog.write_checkpoint``), and opening passes over a checkpoint naming a missing
+    list either way. Documents are removed first: none names a list gone. Returns
+    (documents removed, lists removed, bytes, files kept young)."""
     st = log.storage
     removed: set[int] = set()
     nbytes = young = 0

@@ -195,6 +195,8 @@ def _plan(known: KnownLists, changes: Sequence[Manifest], live: Mapping[str, Seg
             raise Replan  # a compaction this plan did not see took one out
         return got
 
+    if [m.seq for m in changes] != list(range(known.seq + 1, known.seq + 1 + len(changes))):
+        raise Replan  # not every commit since: what this plan did not see could be anything
     spans = []  # the LSNs each compaction since rewrote: the spans of its new segments
     for m in changes:
         if m.supersedes:

@@ -1068,8 +1068,8 @@ class EventLog:
             known = self._known_lists
             if known is None or not known.seq == st.checkpoint_seq >= pointed:
                 known = pointer_lists  # past ours (see _adopt_newer_checkpoint)
-            if known is not None and not known.seq <= at_seq:
-                known = None
+            if known is not None and not st.checkpoint_seq <= known.seq <= at_seq:
+                known = None  # another thread's checkpoint got past the pointer's meanwhile
             changes = [] if known is None else [
                 m for m in st.manifests_since_checkpoint if known.seq < m.seq <= at_seq]
             doc = at.to_checkpoint([])
@@ -1080,13 +1080,14 @@ class EventLog:
         lists = self._checkpoint_lists(at_seq, known, changes, live)
         doc["segment_lists"] = [sl.entry for sl in lists]
         crash_point("checkpoint_lists_written")
-        self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc))
-        # A list reused may have gone since it was looked for: vacuum removes one once no
-        # checkpoint it keeps names it, and another writer's pointer can pass back over a
-        # newer checkpoint. Then the pointer is not moved to this checkpoint, and the next
-        # one writes every list again.
-        whole = self._lists_there([sl.entry for sl in lists if sl.segs is None or (
-            known is not None and sl in known.lists)])
+        named: list[dict[str, Any]] | None = [sl.entry for sl in lists]
+        if not self.storage.put_if_absent(checkpoint_path(at_seq), dumps(doc)):
+            named = self._named_at(at_seq)  # another writer's document, at this seq
+        # A list named may have gone since it was looked for: vacuum removes one once no
+        # checkpoint it keeps names it (a list whose name was taken may be a dead writer's,
+        # alone), and another writer's pointer can pass back over a newer checkpoint. Then
+        # the pointer is not moved to this checkpoint, and the next one writes every list.
+        whole = named is not None and self._lists_there(named)
         with self._pointer_lock:  # not another checkpoint of this process in between
             pointer = self._pointer_seq()
             with self._lock:
@@ -1143,6 +1144,15 @@ class EventLog:
             self.storage.put_if_absent(entry["path"], data)
             lists.append(SegmentList(entry, tuple(item)))
         return lists
+
+    def _named_at(self, seq: int) -> list[dict[str, Any]] | None:
+        """The segment lists the checkpoint document at ``seq`` names; None when it is
+        missing or damaged."""
+        try:
+            data = self.storage.read_or_none(checkpoint_path(seq))
+            return None if data is None else list_entries(loads(data, checkpoint_path(seq)))
+        except (CorruptionError, KeyError, ValueError, TypeError):
+            return None
 
     def _lists_there(self, entries: list[dict[str, Any]]) -> bool:
         """Whether every one of these segment lists is there, at its size."""
