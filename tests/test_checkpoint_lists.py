@@ -166,6 +166,19 @@ def test_a_list_gone_before_a_checkpoint_reuses_it_is_written_again(tmp_path: Pa
     assert json.loads(log.storage.read("_log/_last_checkpoint.json"))["seq"] == 10
 
 
+def _removing(log: pdm.EventLog, path: str, seq: int) -> Any:
+    """``log``'s put-if-absent, removing ``path`` just before it puts the checkpoint
+    document at ``seq`` (as a vacuum meanwhile would)."""
+    put = log.storage.put_if_absent
+
+    def put_removing(rel: str, data: bytes) -> bool:
+        if rel == checkpoint_path(seq):
+            log.storage.delete(path)
+        return put(rel, data)
+
+    return put_removing
+
+
 def test_a_list_gone_while_its_checkpoint_is_written_keeps_the_pointer_back(
         tmp_path: Path, monkeypatch: Any) -> None:
     """A list removed after the checkpoint looked for it and before its document landed:
@@ -176,14 +189,7 @@ def test_a_list_gone_while_its_checkpoint_is_written_keeps_the_pointer_back(
         _commit(log)
     [eight] = [e["path"] for e in
                json.loads(log.storage.read(checkpoint_path(8)))["segment_lists"]]
-    put = log.storage.put_if_absent
-
-    def vacuum_meanwhile(rel: str, data: bytes) -> bool:
-        if rel == checkpoint_path(10):
-            log.storage.delete(eight)
-        return put(rel, data)
-
-    monkeypatch.setattr(log.storage, "put_if_absent", vacuum_meanwhile)
+    monkeypatch.setattr(log.storage, "put_if_absent", _removing(log, eight, 10))
     for _ in range(2):
         _commit(log)
     assert [p["path"] for p in json.loads(log.storage.read(checkpoint_path(10)))
@@ -473,14 +479,8 @@ def test_a_checkpoint_never_starts_from_lists_older_than_this_processs_own(
         [six] = [e["path"] for e in json.loads(a.storage.read(checkpoint_path(6)))
                  ["segment_lists"] if e["path"].startswith(f"_log/{6:020d}")]
         put = a.storage.put_if_absent
-
-        def vacuum_meanwhile(rel: str, data: bytes) -> bool:
-            if rel == checkpoint_path(8):
-                a.storage.delete(six)
-            return put(rel, data)
-
         _commit(a)
-        a.storage.put_if_absent = vacuum_meanwhile  # type: ignore[method-assign]
+        a.storage.put_if_absent = _removing(a, six, 8)  # type: ignore[method-assign]
         assert a.write_checkpoint() == 8 and a._known_lists is None
         a.storage.put_if_absent = put  # type: ignore[method-assign]
         _commit(a)
@@ -592,13 +592,7 @@ def test_a_checkpoint_that_finds_its_seq_taken_judges_the_document_there(
                ["segment_lists"]]
     b = pdm.open_log(root)
     put = a.storage.put_if_absent
-
-    def vacuum_meanwhile(rel: str, data: bytes) -> bool:
-        if rel == checkpoint_path(10):
-            a.storage.delete(eight)
-        return put(rel, data)
-
-    monkeypatch.setattr(a.storage, "put_if_absent", vacuum_meanwhile)
+    monkeypatch.setattr(a.storage, "put_if_absent", _removing(a, eight, 10))
     for _ in range(2):
         _commit(a)
     monkeypatch.setattr(a.storage, "put_if_absent", put)
