@@ -1061,9 +1061,11 @@ class EventLog:
             # dict of references, not the tables: building those and their bytes takes a
             # second at a million segments, and this process's commits wait for the lock),
             # the commits since the checkpoint whose segment lists it may reuse, and the
-            # document, whose segment_lists are filled in below. Lists are reused only
-            # from a checkpoint at or past the pointer, which vacuum keeps (see README
-            # "Checkpoints"); otherwise every segment is written again.
+            # document, whose segment_lists are filled in below. It starts from the lists
+            # of this process's last checkpoint when that is at or past the pointer, else
+            # from the pointer's (vacuum keeps both), never from lists older than this
+            # process's checkpoint (the commits since them are no longer all at hand);
+            # otherwise every segment is written again (README "A checkpoint").
             live = dict(at.segments) if at is st else at.segments
             known = self._known_lists
             if known is None or not known.seq == st.checkpoint_seq >= pointed:
