@@ -34,7 +34,7 @@ from poimen_data.errors import (
     WritersActive,
 )
 from poimen_data.log import LEASE, lease, lease_holder
-from poimen_data.log._lists import list_entries, list_seq
+from poimen_data.log._lists import document_seq, list_entries, list_seq
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.log._manifest import (
     LOG_DIR,
@@ -323,9 +323,8 @@ def _superseded_checkpoints(log: EventLog, names: list[str], pointer: int
     docs: dict[int, str] = {}
     lists: dict[int, list[str]] = {}
     for n in names:
-        head, dot, rest = n.partition(".")
-        if dot and rest == "checkpoint.json" and head.isascii() and head.isdigit():
-            docs[int(head)] = f"_log/{n}"
+        if (seq := document_seq(n)) is not None:
+            docs[seq] = f"_log/{n}"
         elif (seq := list_seq(n)) is not None:
             lists.setdefault(seq, []).append(f"_log/{n}")
     out = _CheckpointFiles(docs, lists, [])
@@ -372,10 +371,8 @@ def _vacuum_checkpoints(log: EventLog, files: _CheckpointFiles,
         removed.add(seq)
     docs = {seq: p for seq, p in files.docs.items() if seq not in removed}
     for n in st.list_dir(LOG_DIR):  # written since the first listing
-        head, dot, rest = n.partition(".")
-        if dot and rest == "checkpoint.json" and head.isascii() and head.isdigit() \
-                and int(head) not in files.docs:
-            docs[int(head)] = f"{LOG_DIR}/{n}"
+        if (landed := document_seq(n)) is not None and landed not in files.docs:
+            docs[landed] = f"{LOG_DIR}/{n}"
     staying = sorted(docs)
     named: set[str] = set()
     for seq, data in zip(staying, log._fan_out(

@@ -79,6 +79,15 @@ def list_seq(name: str) -> int | None:
     return None
 
 
+def document_seq(name: str) -> int | None:
+    """The seq of a checkpoint document (a name in ``_log/``), or None when the name is
+    not a checkpoint document's."""
+    head, dot, rest = name.partition(".")
+    if dot and rest == "checkpoint.json" and head.isascii() and head.isdigit():
+        return int(head)
+    return None
+
+
 def list_bytes(segs: Iterable[SegmentInfo]) -> bytes:
     """One segment list: the segments in LSN order, as one Arrow IPC file."""
     segs = sorted(segs, key=lambda s: s.first_lsn)

@@ -48,7 +48,6 @@ from poimen_data.log._lists import (
     list_entries,
     list_entry,
     list_path,
-    list_segments,
     plan_lists,
 )
 from poimen_data.log._manifest import (
@@ -352,10 +351,12 @@ class EventLog:
 
         def load() -> dict[str, SegmentInfo]:
             datas = self._fan_out(self.storage.read_or_none, [e["path"] for e in entries])
-            if all(d is not None and len(d) == e["size"]
-                   and hashlib.sha256(d).hexdigest() == e["sha256"]
-                   for d, e in zip(datas, entries, strict=True)):
-                read = [list_segments(d) for d in datas if d is not None]
+            try:
+                read = [checked_segments(SegmentList(e), d, self.root)
+                        for d, e in zip(datas, entries, strict=True)]
+            except (CorruptionError, pa.ArrowInvalid):
+                read = None
+            if read is not None:
                 if self._known_lists is None:
                     self._known_lists = KnownLists(seq, tuple(
                         SegmentList.read(e, segs) for e, segs in zip(entries, read, strict=True)))
