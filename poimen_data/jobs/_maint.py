@@ -47,6 +47,7 @@ from poimen_data.log._manifest import (
 from poimen_data.log._staged import Packs, piece_of
 from poimen_data.log._txn import now_iso
 from poimen_data.model import _events as ev
+from poimen_data.model._limits import short_repr
 from poimen_data.storage import Storage
 
 _logger = logging.getLogger("poimen_data")
@@ -163,6 +164,14 @@ class VacuumReport:
     segment_lists_removed: int = 0  # checkpoints' segment lists no document left names
 
 
+def _check_seconds(name: str, v: Any) -> None:
+    """``vacuum``'s ages: a number of seconds >= 0 (infinity keeps everything; NaN, which
+    compares false with every age, would remove at once what a grace is there to keep)."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+        raise ValidationError(f"vacuum: {name} must be a number of seconds >= 0, got "
+                              f"{short_repr(v)}")
+
+
 def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
            grace: float = DEFAULT_GRACE_S, retention: float | None = None,
            force: bool = False) -> VacuumReport:
@@ -191,6 +200,9 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     between staging and publishing. ``force=True`` removes them anyway (a body lost so is
     an error for its readers only; the log stays openable).
     """
+    _check_seconds("grace", grace)
+    if retention is not None:
+        _check_seconds("retention", retention)
     log = as_log(log, storage_options=storage_options)
     retention = grace if retention is None else retention
     st = log.storage
@@ -522,6 +534,12 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     as a stream, one group at a time: memory holds about ``target_rows`` events, whatever
     the size of the log, and the files of ``GATHER_BATCHES`` old segments at most.
     """
+    if type(target_rows) is not int or target_rows < 1:
+        raise ValidationError(f"compact: target_rows must be an int >= 1, got "
+                              f"{short_repr(target_rows)}")
+    if min_rows is not None and (type(min_rows) is not int or min_rows < 0):
+        raise ValidationError(f"compact: min_rows must be an int >= 0 or None, got "
+                              f"{short_repr(min_rows)}")
     log = as_log(log, storage_options=storage_options)
     small = target_rows // 2 if min_rows is None else min_rows
     with lease(log) as held:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import operator
 import os
 import random
 import threading
@@ -67,6 +68,7 @@ from poimen_data.log._staged import Packs, piece_of, staged_exists, staged_file
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
 from poimen_data.model import conform_segment
+from poimen_data.model._limits import INT64_MAX, short_repr
 from poimen_data.storage import (
     DEFAULT_RETRY_DEADLINE_S,
     PIECE_POOL,
@@ -677,14 +679,25 @@ class EventLog:
             raise CorruptionError(f"{name}: size or sha256 differs from its manifest")
         return data
 
+    def _at_lsn(self, at_lsn: Any, min_lsn: Any) -> int:
+        """The head after a refresh, or ``at_lsn`` once checked against it (an int in
+        ``0..head``); ``min_lsn`` must be an int too. ``ValidationError`` otherwise."""
+        head = self.refresh()
+        for name, v in (("at_lsn", at_lsn), ("min_lsn", min_lsn)):
+            # an int, or numpy's (what a query's result may hand over); not a bool
+            if (v is not None or name == "min_lsn") and (
+                    isinstance(v, bool) or not hasattr(type(v), "__index__")):
+                raise ValidationError(f"{name} must be an int, got {type(v).__name__}")
+        hi = head if at_lsn is None else operator.index(at_lsn)
+        if hi < 0 or hi > head:
+            raise ValidationError(f"at_lsn {hi} is outside 0..{head}")
+        return hi
+
     def read_events(self, at_lsn: int | None = None, min_lsn: int = 1) -> pa.Table:
         """Every committed event with ``min_lsn <= lsn <= at_lsn`` as one LOG_SCHEMA table,
         in LSN order. Segment files are verified against their manifest once, then cached
         (they are immutable)."""
-        head = self.refresh()
-        hi = head if at_lsn is None else at_lsn
-        if hi < 0 or hi > head:
-            raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
+        hi = self._at_lsn(at_lsn, min_lsn)
         parts = []
         for s in self.segments(hi, min_lsn):
             t = self._segment_table(s)
@@ -1298,10 +1311,7 @@ class EventLog:
         its manifest (size, sha256) once per ``EventLog``, streaming."""
         import pyarrow.compute as pc
 
-        head = self.refresh()
-        hi = head if at_lsn is None else at_lsn
-        if hi < 0 or hi > head:
-            raise ValidationError(f"at_lsn {at_lsn} is outside 0..{head}")
+        hi = self._at_lsn(at_lsn, min_lsn)
         try:
             schema = pa.schema([ev.LOG_SCHEMA.field(c) for c in (
                 ev.LOG_SCHEMA.names if columns is None else columns)])
@@ -1463,6 +1473,10 @@ def open_log(
     """
     if isinstance(root, EventLog):
         return root
+    if checkpoint_interval is not None and (type(checkpoint_interval) is not int
+                                            or not 1 <= checkpoint_interval <= INT64_MAX):
+        raise ValidationError(f"open_log: checkpoint_interval must be an int >= 1 (commits "
+                              f"between checkpoints), got {short_repr(checkpoint_interval)}")
     storage = open_storage(root, storage_options, durable=durable,
                            retry_deadline_s=retry_deadline_s)
     try:

@@ -10,7 +10,6 @@ import asyncio
 import atexit
 import hashlib
 import logging
-import math
 import os
 import threading
 import time
@@ -32,6 +31,7 @@ from poimen_data.errors import (
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, ref_problem
 from poimen_data.model import _events as ev
 from poimen_data.model._arrow import events_to_table
+from poimen_data.model._limits import short_repr
 
 if TYPE_CHECKING:
     from poimen_data.log._log import EventLog
@@ -50,6 +50,9 @@ SETTLE_PAUSE_S = (0.1, 5.0)
 # a record whose commit settled as not landed is committed again, this many times at most
 RECOMMITS = 8
 SMALL_BODY = 64 << 10
+# the longest a window waits for more records: about 31 years, i.e. only flush, close and
+# the size limits close it (past threading's own limit, a wait would fail)
+MAX_DELAY_MS = 10**12
 
 
 @atexit.register
@@ -154,6 +157,11 @@ _FORKED = ("this recorder belongs to the process that forked this one (its threa
 def blob_ref(tenant: str, data: bytes) -> ev.BlobRef:
     """The ref a body gets in the blob store (sha256 of the bytes, within ``tenant``)."""
     ev.check_tenant(tenant, "blob_ref")
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ValidationError(f"blob_ref: field 'data' must be bytes, got "
+                              f"{type(data).__name__}")
+    if type(data) is not bytes:  # a view of 4-byte items: its bytes, as put_blob takes them
+        data = bytes(data)
     return ev.BlobRef(tenant, _sha256(data), len(data))
 
 
@@ -251,9 +259,9 @@ class Recorder:
                  max_pending_events: int | None = None,
                  max_pending_bytes: int | None = None) -> None:
         if isinstance(max_delay_ms, bool) or not isinstance(max_delay_ms, int | float) \
-                or not math.isfinite(max_delay_ms) or max_delay_ms < 0:
-            raise ValidationError(f"recorder: max_delay_ms must be a number >= 0, got "
-                                  f"{max_delay_ms!r}")
+                or not 0 <= max_delay_ms <= MAX_DELAY_MS:  # NaN too (no comparison holds)
+            raise ValidationError(f"recorder: max_delay_ms must be a number in [0, "
+                                  f"{MAX_DELAY_MS}], got {short_repr(max_delay_ms)}")
         if max_pending_events is None:
             max_pending_events = PENDING_WINDOWS * max_events
         if max_pending_bytes is None:
@@ -262,7 +270,8 @@ class Recorder:
                         ("max_pending_events", max_pending_events),
                         ("max_pending_bytes", max_pending_bytes)):
             if type(v) is not int or v < 1:
-                raise ValidationError(f"recorder: {name} must be an int >= 1, got {v!r}")
+                raise ValidationError(f"recorder: {name} must be an int >= 1, got "
+                                      f"{short_repr(v)}")
         if log.read_only:
             raise PoimenError(f"{log.root} was opened read-only")
         # The checkpoints it owes need the checkpoint's segment list, which opening left
@@ -485,7 +494,11 @@ class Recorder:
         """What a transaction would reject whole, checked for this record alone."""
         if isinstance(events, ev.Event):
             raise ValidationError("record: events must be a sequence of events, not one")
-        evs = tuple(events)
+        try:
+            evs = tuple(events)
+        except TypeError:
+            raise ValidationError(f"record: events must be a sequence of events, got "
+                                  f"{type(events).__name__}") from None
         seen = ev.Checked()
         for i, e in enumerate(evs):
             ev.validate_event(e, i, seen)

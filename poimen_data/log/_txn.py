@@ -279,7 +279,12 @@ class Transaction:
             self._bulk.append(t)
             self._n_table_rows += t.num_rows
             return
-        for e in events:
+        try:
+            items = iter(events)
+        except TypeError:
+            raise ValidationError(f"extend: events must be event objects or a pyarrow.Table, "
+                                  f"got {type(events).__name__}") from None
+        for e in items:
             self.append(e)
 
     def _extend_validated(self, table: pa.Table, refs: Iterable[ev.BlobRef]) -> None:

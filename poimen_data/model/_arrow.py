@@ -221,6 +221,10 @@ def _conform(table: pa.Table, where: str, now: datetime | None) -> pa.Table:
                 raise ValidationError(f"{where}: column 'ts' has type {col.type}, naive: "
                                       "timestamps must be timezone-aware (e.g. tz='UTC')")
             if col.type != f.type:
+                problem = _cast_problem(col.type, f.type)
+                if problem:
+                    raise ValidationError(f"{where}: column {f.name!r} has type {col.type}, "
+                                          f"expected {f.type}: {problem}")
                 try:
                     col = col.cast(f.type)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
@@ -237,6 +241,61 @@ def _conform(table: pa.Table, where: str, now: datetime | None) -> pa.Table:
             raise ValidationError(f"{where} row {i}: field {f.name!r} is required")
         cols.append(col)
     return pa.Table.from_arrays(cols, schema=EVENT_SCHEMA.remove_metadata()).cast(EVENT_SCHEMA)
+
+
+def _family(t: pa.DataType) -> str:
+    """The kind of Python value the event path takes for a field of Arrow type ``t``."""
+    for name, test in (("bool", pa.types.is_boolean), ("int", pa.types.is_integer),
+                       ("float", pa.types.is_floating), ("decimal", pa.types.is_decimal),
+                       ("timestamp", pa.types.is_timestamp)):
+        if test(t):
+            return name
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "str"
+    return str(t)
+
+
+#: the families a column may be cast from, by the family of its field (an int where the
+#: event path takes a double or an amount: it checks that it is exact; the cast does too)
+_CASTS_FROM = {"bool": {"bool"}, "int": {"int"}, "float": {"int", "float"},
+               "decimal": {"int", "decimal"}, "str": {"str"}, "timestamp": {"timestamp"}}
+
+
+def _cast_problem(src: pa.DataType, dst: pa.DataType) -> str | None:
+    """Why a column of type ``src`` may not be cast to its field's type ``dst`` (None when
+    it may, or when Arrow's cast is left to refuse it): only values the event path takes
+    for the field, in another width or layout. A cast across kinds would convert without
+    a check the event path makes: a double rounded into money, an int read as a bool or
+    as microseconds, a number turned into text. Nested types are judged child by child."""
+    if pa.types.is_dictionary(src):
+        src = src.value_type
+    if src == dst or pa.types.is_null(src):
+        return None
+    if pa.types.is_struct(dst):
+        if not pa.types.is_struct(src):
+            return None
+        for f in src:
+            i = dst.get_field_index(f.name)
+            problem = None if i < 0 else _cast_problem(f.type, dst.field(i).type)
+            if problem:
+                return f"field {f.name!r}: {problem}"
+        return None
+    if pa.types.is_map(dst):
+        if not pa.types.is_map(src):
+            return None
+        return _cast_problem(src.key_type, dst.key_type) \
+            or _cast_problem(src.item_type, dst.item_type)
+    if pa.types.is_list(dst) or pa.types.is_large_list(dst):
+        if not (pa.types.is_list(src) or pa.types.is_large_list(src)
+                or pa.types.is_fixed_size_list(src) or pa.types.is_list_view(src)
+                or pa.types.is_large_list_view(src)):
+            return None
+        return _cast_problem(src.value_type, dst.value_type)
+    allowed = _CASTS_FROM.get(_family(dst))
+    if allowed is None or _family(src) in allowed:
+        return None
+    return (f"{src} values are not {dst} values (a cast would convert them unchecked; "
+            "the event path refuses them too)")
 
 
 def _first_row(mask: pa.ChunkedArray | pa.Array) -> int | None:
@@ -524,11 +583,20 @@ def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., Non
     if labels.null_count < len(labels):
         entries = labels.cast(pa.list_(pa.struct([labels.type.key_field,
                                                   labels.type.item_field])))
-        values = pc.struct_field(pc.list_flatten(entries), "value")
+        flat = pc.list_flatten(entries)
+        values = pc.struct_field(flat, "value")
         if values.null_count:
             row = next(i for i, v in enumerate(labels.to_pylist())
                        if v is not None and any(val is None for _k, val in v))
             fail(_row_mask(len(labels), row), "labels", "must be a mapping of str to str")
+        # a key twice in one row: a mapping (the event path's labels) cannot hold it
+        pairs = pa.table({"row": pc.list_parent_indices(entries),
+                          "key": pc.struct_field(flat, "key")})
+        if pairs.group_by(["row", "key"]).aggregate([]).num_rows < pairs.num_rows:
+            row = next(i for i, v in enumerate(labels.to_pylist())
+                       if v is not None and len({k for k, _v in v}) < len(v))
+            fail(_row_mask(len(labels), row), "labels",
+                 "must be a mapping of str to str (a key is there twice)")
 
 
 def _row_mask(n: int, row: int) -> pa.Array:

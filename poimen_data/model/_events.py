@@ -25,6 +25,7 @@ from poimen_data.model._limits import (
     cost_problem,
     int_problem,
     number_problem,
+    short_repr,
     strs_problem,
     text_problem,
     ts_problem,
@@ -431,13 +432,13 @@ def _check_text(where: str, name: str, v: Any) -> None:
 
 def check_tenant(v: Any, where: str = "argument") -> str:
     if not isinstance(v, str) or not TENANT_RE.fullmatch(v):
-        raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {v!r}")
+        raise _bad(where, "tenant", f"must match {TENANT_RE.pattern}, got {short_repr(v)}")
     return v
 
 
 def check_run_id(v: Any, where: str = "argument") -> str:
     if not isinstance(v, str) or not RUN_ID_RE.fullmatch(v):
-        raise _bad(where, "run_id", f"must match {RUN_ID_RE.pattern}, got {v!r}")
+        raise _bad(where, "run_id", f"must match {RUN_ID_RE.pattern}, got {short_repr(v)}")
     return v
 
 
@@ -445,11 +446,12 @@ def check_ref(ref: Any, where: str = "argument", name: str = "ref") -> BlobRef:
     if not isinstance(ref, BlobRef):
         raise _bad(where, name, f"must be a BlobRef, got {type(ref).__name__}")
     if not isinstance(ref.tenant, str) or not TENANT_RE.fullmatch(ref.tenant):
-        raise _bad(where, name, f"has an invalid tenant {ref.tenant!r}")
+        raise _bad(where, name, f"has an invalid tenant {short_repr(ref.tenant)}")
     if not isinstance(ref.sha256, str) or not SHA256_RE.fullmatch(ref.sha256):
         raise _bad(where, name, "sha256 must be 64 lowercase hex digits")
     if type(ref.size) is not int or ref.size < 0 or ref.size > INT64_MAX:
-        raise _bad(where, name, f"size must be an int in [0, 2**63 - 1], got {ref.size!r}")
+        raise _bad(where, name, "size must be an int in [0, 2**63 - 1], got "
+                   f"{short_repr(ref.size)}")
     return ref
 
 
@@ -497,10 +499,10 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
             if ids is not None and type(run_id) is str:
                 ids.add(run_id)
     ts = e.ts
-    # the common case costs no call: an aware stamp in either UTC, within the years
+    # the common case costs no call: an aware stamp in either UTC, within the years (any
+    # other zone is asked for its offset inside ts_problem, which names what it gets)
     if ts is not None and (type(ts) is not datetime or not 1 < ts.year < 9999
-                           or (ts.tzinfo is not UTC and ts.tzinfo is not _ZONE_UTC
-                               and ts.utcoffset() is None)):
+                           or (ts.tzinfo is not UTC and ts.tzinfo is not _ZONE_UTC)):
         problem = ts_problem(ts)
         if problem:
             raise _bad(where, "ts", problem)
@@ -527,7 +529,7 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
         else:
             if e.state not in TERMINAL_ATTEMPT_STATES:
                 raise _bad(where, "state", f"must be one of {TERMINAL_ATTEMPT_STATES}, "
-                           f"got {e.state!r}")
+                           f"got {short_repr(e.state)}")
             if e.output is not None:
                 _check_ref_cached(e.output, "output", seen)
                 if e.output.tenant != tenant:
@@ -560,7 +562,8 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
         _check_int(where, "branch_id", e.branch_id, 0)
         if not isinstance(e.verifier, str) or not VERIFIER_RE.fullmatch(e.verifier) \
                 or not utf8_ok(e.verifier):
-            raise _bad(where, "verifier", f"must be 'name@version', got {e.verifier!r}")
+            raise _bad(where, "verifier",
+                       f"must be 'name@version', got {short_repr(e.verifier)}")
         _check_int(where, "snapshot_lsn", e.snapshot_lsn, 1)
         if type(e.passed) is not bool:
             raise _bad(where, "passed", "must be a bool")
@@ -577,7 +580,8 @@ def _validate(e: Any, kind: str, seen: Checked | None) -> None:
             _check_int(where, "attempt_no", e.attempt_no, 1)
     elif kind == "run_finished":
         if e.outcome not in RUN_OUTCOMES:
-            raise _bad(where, "outcome", f"must be one of {RUN_OUTCOMES}, got {e.outcome!r}")
+            raise _bad(where, "outcome",
+                       f"must be one of {RUN_OUTCOMES}, got {short_repr(e.outcome)}")
     elif kind == "run_cancelled":
         _check_text(where, "reason", e.reason)
     elif kind == "blob_reduced":
@@ -655,14 +659,15 @@ def event_from_json(obj: Mapping[str, Any]) -> Event:
     except ValidationError:
         raise
     except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
-        raise ValidationError(f"event {dict(obj).get('kind')!r}: malformed: {exc!r}") from None
+        kind = short_repr(dict(obj).get("kind"))
+        raise ValidationError(f"event {kind}: malformed: {exc!r}") from None
 
 
 def _event_from_json(obj: Mapping[str, Any]) -> Event:
     obj = dict(obj)
     kind = obj.pop("kind", None)
     if kind not in EVENT_CLASSES:
-        raise ValidationError(f"unknown event kind {kind!r}")
+        raise ValidationError(f"unknown event kind {short_repr(kind)}")
     for name in REF_COLUMNS:
         if obj.get(name) is not None:
             obj[name] = BlobRef(**obj[name])
@@ -680,7 +685,7 @@ def _event_from_json(obj: Mapping[str, Any]) -> Event:
     try:
         return EVENT_CLASSES[kind](**obj)
     except TypeError as exc:
-        raise ValidationError(f"event of kind {kind!r}: {exc}") from None
+        raise ValidationError(f"event of kind {short_repr(kind)}: {exc}") from None
 
 
 __all__ = [

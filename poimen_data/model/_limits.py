@@ -119,15 +119,36 @@ def ts_problem(ts: Any) -> str | None:
         return "must be a timezone-aware datetime"
     try:
         off = ts.utcoffset()
-        if off is None:
-            return "must be a timezone-aware datetime"
+    except Exception as exc:  # noqa: BLE001 - a tzinfo of the caller's, failing any way
+        return (f"must be a timezone-aware datetime whose tzinfo gives its UTC offset "
+                f"({type(exc).__name__} from utcoffset())")
+    if off is None:
+        return "must be a timezone-aware datetime"
+    try:
         if ts.year in (1, 9999):  # elsewhere an offset (< 24 h) cannot cross the limits
             ts.astimezone(UTC)
     except (OverflowError, ValueError, TypeError):
         return f"must be {TS_RANGE}, got {ts.isoformat()}"
+    # a subclass with more precision (pandas' Timestamp) would lose it: refused, as a
+    # nanosecond column is on the bulk path, instead of cut to the microsecond
+    nanos = getattr(ts, "nanosecond", 0)
+    if nanos:
+        return (f"must have at most microsecond precision (stored as timestamp[us]), got "
+                f"{nanos} ns past {ts.isoformat()}")
     return None
 
 
-def _short(v: Any) -> str:
-    s = repr(v)
+def short_repr(v: Any) -> str:
+    """``repr(v)`` for an error message, cut to about 60 characters. Never raises: an int
+    too long for ``repr`` (over 4,300 digits, Python's limit) is described by its size,
+    and a value whose ``repr`` fails by its type."""
+    try:
+        s = repr(v)
+    except Exception:  # noqa: BLE001 - a message must not fail on the value it names
+        if isinstance(v, int):
+            return f"an int of {int.bit_length(v)} bits"
+        return f"a {type(v).__name__}"
     return s if len(s) <= 60 else f"{s[:40]}...({len(s)} chars)"
+
+
+_short = short_repr

@@ -1,0 +1,258 @@
+"""Odd input a hostile probe found on the write path: each is one ``ValidationError`` naming
+what is wrong (never a raw ``ValueError``/``TypeError``), with storage exactly as it was,
+the same on the event path, the bulk path and through a recorder."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta, tzinfo
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import poimen_data as pdm
+from poimen_data import events as ev
+from poimen_data.errors import ValidationError
+
+HUGE = 10**5000  # past the 4,300 digits Python's repr of an int allows
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def _refused(log: pdm.EventLog, root: Path, e: ev.Event, *texts: str) -> None:
+    """``e`` is refused on the event path and through a recorder, naming ``texts``;
+    nothing lands."""
+    before = _files(root)
+    with pytest.raises(ValidationError) as raised, log.transaction() as tx:
+        tx.append(e)
+    assert all(t in str(raised.value) for t in texts), str(raised.value)
+    with log.recorder(max_delay_ms=0) as rec:
+        fut = rec.record([e])  # a failed future, not a raise
+        exc = fut.exception(timeout=60)
+    assert isinstance(exc, ValidationError) and all(t in str(exc) for t in texts), exc
+    assert _files(root) == before
+
+
+@pytest.fixture
+def log_root(tmp_path: Path) -> tuple[pdm.EventLog, Path]:
+    root = tmp_path / "log"
+    log = pdm.open_log(root, durable=False)
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted("acme", "r0", "v1"))
+    return log, root
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: ev.AttemptDispatched("acme", "r1", 0, "plan", HUGE, 1), "'step_index'"),
+    (lambda: ev.RunStarted(HUGE, "r1", "v1"), "'tenant'"),  # type: ignore[arg-type]
+    (lambda: ev.RunStarted("acme", HUGE, "v1"), "'run_id'"),  # type: ignore[arg-type]
+    (lambda: ev.AttemptFinished("acme", "r1", 0, "s", 1, HUGE), "'state'"),  # type: ignore
+    (lambda: ev.RunFinished("acme", "r1", HUGE), "'outcome'"),  # type: ignore[arg-type]
+    (lambda: ev.AttemptFinished("acme", "r1", 0, "s", 1, "failed",
+                                usage=ev.Usage(input_tokens=HUGE)), "'usage.input_tokens'"),
+    (lambda: ev.AttemptDispatched("acme", "r1", 0, "s", 0, 1,
+                                  prompt=ev.BlobRef("acme", "ab" * 32, HUGE)), "'prompt'"),
+    (lambda: ev.VerdictRecorded("acme", "r1", 0, HUGE, 1, True), "'verifier'"),  # type: ignore
+])
+def test_an_int_too_long_to_print_is_named_by_its_size(log_root, make, field) -> None:
+    log, root = log_root
+    _refused(log, root, make(), field, "an int of 16610 bits")
+
+
+class _NoOffset(tzinfo):  # the base class: utcoffset raises NotImplementedError
+    pass
+
+
+class _IntOffset(tzinfo):
+    def utcoffset(self, dt: datetime | None) -> Any:
+        return 3600  # not a timedelta: datetime raises TypeError
+
+
+class _DayAndMore(tzinfo):
+    def utcoffset(self, dt: datetime | None) -> timedelta:
+        return timedelta(hours=30)  # past 24 h: datetime raises ValueError
+
+
+@pytest.mark.parametrize("zone, raised", [(_NoOffset(), "NotImplementedError"),
+                                          (_IntOffset(), "TypeError"),
+                                          (_DayAndMore(), "ValueError")])
+def test_a_tzinfo_that_cannot_give_its_offset_is_refused(log_root, zone, raised) -> None:
+    log, root = log_root
+    _refused(log, root, ev.RunStarted("acme", "r1", "v1", ts=datetime(2024, 1, 1, tzinfo=zone)),
+             "'ts'", f"({raised} from utcoffset())")
+
+
+def test_nanoseconds_are_refused_on_both_paths_not_cut() -> None:
+    pd = pytest.importorskip("pandas")
+    stamp = pd.Timestamp("2024-01-01T00:00:00.000000999", tz="UTC")
+    with pytest.raises(ValidationError, match="at most microsecond precision.*999 ns"):
+        ev.validate_event(ev.RunStarted("acme", "r1", "v1", ts=stamp))
+    # a whole microsecond is kept as it is
+    ev.validate_event(ev.RunStarted("acme", "r1", "v1",
+                                    ts=pd.Timestamp("2024-01-01T00:00:00.000001", tz="UTC")))
+    table = pa.table({"ts": pa.array([stamp.value], pa.timestamp("ns", tz="UTC")),
+                      "kind": ["run_started"], "tenant": ["acme"], "run_id": ["r1"],
+                      "workflow_version": ["v1"]})
+    with pytest.raises(ValidationError, match="'ts'.*would lose data"):
+        ev.validate_table(table)
+
+
+def _bulk(**cols: Any) -> pa.Table:
+    base: dict[str, Any] = {"kind": ["attempt_finished"], "tenant": ["acme"], "run_id": ["r1"],
+                            "branch_id": [0], "step_id": ["s"], "attempt_no": [1],
+                            "state": ["succeeded"]}
+    return pa.table(base | cols)
+
+
+@pytest.mark.parametrize("table, column, field", [
+    # money rounded by Arrow's cast (0.1234567891234 stored as 0.123456789)
+    (_bulk(usage=pa.array([{"cost_usd": 0.1234567891234}],
+                          pa.struct([("cost_usd", pa.float64())]))), "usage", "'cost_usd'"),
+    (_bulk(usage=pa.array([{"cost_usd": 0.5}],
+                          pa.struct([("cost_usd", pa.float32())]))), "usage", "'cost_usd'"),
+    # an int read as a bool, or as microseconds since the epoch
+    (pa.table({"kind": ["verdict_recorded"], "tenant": ["acme"], "run_id": ["r1"],
+               "branch_id": [0], "verifier": ["v@1"], "snapshot_lsn": [1],
+               "passed": [7]}), "passed", None),
+    (_bulk(ts=pa.array([1_700_000_000_000_000], pa.int64())), "ts", None),
+    (_bulk(ts=["2024-01-01T00:00:00Z"]), "ts", None),
+    # numbers turned into text, text parsed into numbers
+    (_bulk(step_id=pa.array([12], pa.int64())), "step_id", None),
+    (_bulk(attempt_no=["1"]), "attempt_no", None),
+    (_bulk(attempt_no=pa.array([1.0], pa.float64())), "attempt_no", None),
+    (_bulk(usage=pa.array([{"input_tokens": 1.0}], pa.struct([("input_tokens", pa.float64())]))),
+     "usage", "'input_tokens'"),
+])
+def test_a_bulk_cast_across_kinds_is_refused(table, column, field) -> None:
+    with pytest.raises(ValidationError) as raised:
+        ev.validate_table(table)
+    text = str(raised.value)
+    assert f"column {column!r} has type" in text and "values are not" in text, text
+    assert field is None or f"field {field}" in text, text
+
+
+def test_a_bulk_cast_within_a_kind_is_kept() -> None:
+    """Other widths and layouts of the values the event path takes still conform: int32
+    ids, a large_string, a dictionary of strings, ints where a double or money is, a
+    timestamp in another unit or zone, an exact decimal of a smaller scale."""
+    usage = pa.array([{"input_tokens": 3, "cost_usd": Decimal("0.25"), "latency_ms": 12}],
+                     pa.struct([("input_tokens", pa.int32()),
+                                ("cost_usd", pa.decimal128(10, 2)),
+                                ("latency_ms", pa.int16())]))
+    table = _bulk(branch_id=pa.array([0], pa.int32()),
+                  step_id=pa.array(["s"], pa.large_string()),
+                  state=pa.array(["succeeded"]).dictionary_encode(),
+                  ts=pa.array([datetime(2024, 1, 1, 2, tzinfo=UTC)],
+                              pa.timestamp("ms", tz="Europe/Paris")),
+                  usage=usage)
+    t = ev.validate_table(table)
+    row = t.to_pylist()[0]
+    assert row["usage"]["cost_usd"] == Decimal("0.250000000")
+    assert row["usage"]["input_tokens"] == 3 and row["usage"]["latency_ms"] == 12.0
+    assert row["ts"] == datetime(2024, 1, 1, 2, tzinfo=UTC) and row["state"] == "succeeded"
+
+
+def test_labels_with_a_key_twice_are_refused_on_the_bulk_path() -> None:
+    labels = pa.array([[("a", "1")], [("env", "x"), ("env", "y")]],
+                      pa.map_(pa.string(), pa.string()))
+    table = pa.table({"kind": ["run_started"] * 2, "tenant": ["acme"] * 2,
+                      "run_id": ["r1", "r2"], "workflow_version": ["v1"] * 2,
+                      "labels": labels})
+    with pytest.raises(ValidationError, match=r"row 1 \(run_started\): field 'labels'.*twice"):
+        ev.validate_table(table)
+    ev.validate_table(table.slice(0, 1))  # one of each key: kept
+
+
+def test_the_body_of_a_ref_is_bytes_as_put_blob_takes_it(log_root) -> None:
+    import array
+
+    log, root = log_root
+    before = _files(root)
+    with log.recorder(max_delay_ms=0) as rec:
+        for bad, name in (("hello", "str"), (None, "NoneType"), (array.array("i", [1]),
+                                                                  "array")):
+            with pytest.raises(ValidationError, match=f"'data' must be bytes, got {name}"):
+                rec.ref("acme", bad)  # type: ignore[arg-type]
+        # a view's bytes, as put_blob hashes them (its size in bytes, not items)
+        view = memoryview(b"abcd").cast("B")
+        assert rec.ref("acme", view) == rec.ref("acme", b"abcd")
+        assert rec.ref("acme", bytearray(b"abcd")).size == 4
+        for events in (None, 3):
+            exc = rec.record(events).exception(timeout=60)  # type: ignore[arg-type]
+            assert isinstance(exc, ValidationError), exc
+            assert "events must be a sequence of events" in str(exc)
+    tx = log.transaction()
+    for events in (None, 3):
+        with pytest.raises(ValidationError, match="events must be event objects or a "
+                                                  "pyarrow.Table"):
+            tx.extend(events)  # type: ignore[arg-type]
+    tx.abort()
+    assert _files(root) == before
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 1.5, "10", True, 2**63])
+def test_a_checkpoint_interval_that_is_not_a_count_is_refused_before_any_write(
+        tmp_path: Path, bad: Any) -> None:
+    root = tmp_path / "log"
+    with pytest.raises(ValidationError, match="checkpoint_interval must be an int >= 1"):
+        pdm.open_log(root, checkpoint_interval=bad)
+    assert not root.exists()
+    assert pdm.open_log(root, checkpoint_interval=7).checkpoint_interval == 7
+
+
+def test_an_lsn_that_is_not_an_int_is_refused(log_root) -> None:
+    np = pytest.importorskip("numpy")
+    log, _root = log_root
+    assert log.read_events(np.int64(1)).num_rows == 1  # a query's int
+    for bad, name in (("1", "str"), (1.0, "float"), (True, "bool")):
+        with pytest.raises(ValidationError, match=f"at_lsn must be an int, got {name}"):
+            log.read_events(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValidationError, match=f"at_lsn must be an int, got {name}"):
+            next(log.scan(bad))  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="min_lsn must be an int, got NoneType"):
+        log.read_events(1, None)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="at_lsn 2 is outside 0..1"):
+        log.read_events(2)
+
+
+@pytest.mark.parametrize("kw", [{"grace": math.nan}, {"grace": -1}, {"grace": "x"},
+                                {"grace": None}, {"grace": True},
+                                {"grace": 3600, "retention": math.nan}])
+def test_vacuum_refuses_an_age_that_is_not_one_before_taking_its_lease(log_root, kw) -> None:
+    """NaN compares false with every age: as a grace it removed at once what a grace is
+    there to keep, and passed the guard against live writers."""
+    log, root = log_root
+    tx = log.transaction()  # staging of a live writer's commit, young
+    tx.put_blob("acme", b"a body in flight")
+    tx.flush()
+    before = _files(root)
+    with pytest.raises(ValidationError, match="must be a number of seconds >= 0"):
+        pdm.vacuum(log, **kw)
+    assert _files(root) == before  # no lease taken, nothing removed
+    tx.abort()
+    assert pdm.vacuum(log, grace=math.inf).bodies_removed == 0
+
+
+@pytest.mark.parametrize("kw, text", [({"target_rows": "x"}, "target_rows must be an int >= 1"),
+                                      ({"target_rows": 0}, "target_rows must be an int >= 1"),
+                                      ({"min_rows": -1}, "min_rows must be an int >= 0"),
+                                      ({"min_rows": 2.5}, "min_rows must be an int >= 0")])
+def test_compact_refuses_sizes_that_are_not_counts(log_root, kw, text) -> None:
+    log, root = log_root
+    before = _files(root)
+    with pytest.raises(ValidationError, match=text):
+        pdm.compact(log, **kw)
+    assert _files(root) == before
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1, 10**400, 1e300, 10**12 + 1, True, "5"])
+def test_a_recorder_delay_out_of_range_is_refused(log_root, bad) -> None:
+    log, _root = log_root
+    with pytest.raises(ValidationError, match=r"max_delay_ms must be a number in \[0, "):
+        log.recorder(max_delay_ms=bad)
