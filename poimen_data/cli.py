@@ -16,7 +16,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 import poimen_data as pdm
 from poimen_data.errors import one_line
@@ -121,7 +123,7 @@ def open_root(root: str, *, read_only: bool = False) -> Any:
 
 
 def emit_json(value: Any) -> None:
-    print(json.dumps(st.jsonable(value), indent=2, ensure_ascii=False))
+    print(json.dumps(st.jsonable(value), indent=2, ensure_ascii=False, allow_nan=False))
 
 
 def kv_table(title: str, value: Any) -> Table:
@@ -201,10 +203,10 @@ def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
         emit_json(rows)
         return
     t = Table(show_lines=False)
-    for c in rel.columns:
-        t.add_column(c, overflow="fold")
+    for c in rel.columns:  # Text: a value is shown as it is, never read as rich markup
+        t.add_column(Text(c), overflow="fold")
     for r in rows[:max_rows]:
-        t.add_row(*(cell(r[c]) for c in rel.columns))
+        t.add_row(*(Text(cell(r[c])) for c in rel.columns))
     out.print(t)
     more = f"; showing {max_rows} (--max-rows)" if n > max_rows else ""
     out.print(f"({n} row{'s' if n != 1 else ''}{more})", highlight=False)
@@ -305,7 +307,7 @@ STATE_STYLE = {"succeeded": "green", "failed": "red", "timed_out": "red",
 
 
 def _styled(state: str | None) -> str:
-    return f"[{STATE_STYLE.get(state or '', 'white')}]{state}[/]"
+    return f"[{STATE_STYLE.get(state or '', 'white')}]{escape(str(state))}[/]"
 
 
 @command("show", "poimen show run-000007 --all-branches")
@@ -330,7 +332,8 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
     if as_json:
         emit_json({**st.jsonable(view), "verdicts": verdicts})
         return
-    out.print(f"[bold]{view.run_id}[/] tenant {view.tenant}, {view.workflow_version}, "
+    out.print(f"[bold]{escape(view.run_id)}[/] tenant {escape(view.tenant)}, "
+              f"{escape(view.workflow_version or '')}, "
               f"state {_styled(view.state)}, live branch {view.live_branch}, "
               f"read at LSN {view.at_lsn}")
     for b in view.branches:
@@ -344,15 +347,14 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
         for a in b.attempts:
             u = a.usage
             d = st.jsonable(a)
-            t.add_row(str(a.step_index), a.step, str(a.attempt), _styled(a.state),
+            t.add_row(str(a.step_index), Text(a.step), str(a.attempt), _styled(a.state),
                       f"{a.first_lsn}-{a.last_lsn}", cell(d["prompt"]), cell(d["output"]),
                       f"{u.input_tokens}/{u.output_tokens}" if u else "",
                       str(u.cost_usd) if u and u.cost_usd is not None else "",
-                      ", ".join(a.context.dropped) if a.context else "", a.error or "")
+                      Text(", ".join(a.context.dropped) if a.context else ""),
+                      Text(a.error or ""))
         out.print(t)
     if verdicts:
-        from rich.markup import escape
-
         t = titled("verdicts", title_justify="left")
         for c in ("verifier", "snapshot", "judged", "passed", "score", "detail"):
             t.add_column(c, overflow="fold")
@@ -467,7 +469,8 @@ def grade(verifier: Annotated[list[str] | None, typer.Option(
         return
     out.print(f"graded {r.runs_graded} runs ({r.runs_passed} passed, {r.runs_failed} failed, "
               f"{r.runs_errored} errored), {r.runs_skipped} skipped; "
-              f"{r.verdicts_recorded} verdicts in {r.commits} commits, {r.wall_s:.2f} s")
+              f"{r.verdicts_recorded} verdicts in {r.commits} commits, {r.wall_s:.2f} s",
+              markup=False)
     t = titled("per verifier")
     for c in ("verifier", "graded", "skipped", "passed", "failed", "errored"):
         t.add_column(c)
@@ -511,11 +514,12 @@ def export(fmt: Annotated[str, typer.Option("--format",
         emit_json(r)
     else:
         out.print(f"wrote {r.path}: {r.records} records of {r.runs} runs, {r.bytes:,} bytes, "
-                  f"{r.format} from {r.source} at LSN {r.export_lsn}, sha256 {r.sha256}")
+                  f"{r.format} from {r.source} at LSN {r.export_lsn}, sha256 {r.sha256}",
+              markup=False)
         if r.skipped_no_output or r.skipped_no_prompt:
             out.print(f"left out {r.skipped_no_output} attempts with no output and "
                       f"{r.skipped_no_prompt} with no prompt (--keep-unanswered keeps the "
-                      "first)")
+                      "first)", markup=False)
 
 
 import_app = typer.Typer(name="import", no_args_is_help=True,
@@ -540,7 +544,7 @@ def import_atif(paths: Annotated[list[str], typer.Argument(
     else:
         out.print(f"imported {len(r.runs)} runs ({r.attempts} attempts), "
                   f"{len(r.skipped)} already in the log"
-                  + (f", head LSN {r.lsn}" if r.lsn is not None else ""))
+                  + (f", head LSN {r.lsn}" if r.lsn is not None else ""), markup=False)
 
 
 # --- maintenance -----------------------------------------------------------------------
@@ -644,7 +648,8 @@ def reduce(larger_than: Annotated[int | None, typer.Option(
         emit_json(report)
     else:
         out.print(f"reduced {len(report.reduced)} bodies ({len(report.skipped)} already "
-                  f"reduced), freed {report.bytes_freed:,} bytes, at LSN {report.lsn}")
+                  f"reduced), freed {report.bytes_freed:,} bytes, at LSN {report.lsn}",
+              markup=False)
 
 
 @command("log", "poimen log --limit 20")

@@ -212,6 +212,11 @@ def _state_files(root: str) -> dict[str, str]:
     "prepare p as copy (select 1 as x) to '{file}' (use_tmp_file false)",
     "attach '{file}' as other",
     "select 1; copy (select 1 as x) to '{file}' (use_tmp_file false)",
+    # EXPLAIN ANALYZE runs what it explains, wrapped in options and comments too
+    "explain analyze copy (select 1 as x) to '{file}' (use_tmp_file false)",
+    "EXPLAIN /* a */ ANALYSE -- b\n (FORMAT json) COPY (select 1 as x) TO '{file}' "
+    "(use_tmp_file false)",
+    "explain (analyze) copy (select 1 as x) to '{file}' (use_tmp_file false)",
 ])
 def test_sql_cannot_write_the_state_files_its_views_read(query: str, materialized: str) -> None:
     """DuckDB itself may open exactly the state files (``allowed_paths``), and it lets SQL
@@ -247,3 +252,68 @@ def test_sql_views_and_blob_text_still_work_and_allow_external_opens_files(
         r = poimen("sql", "--root", root, flag, "--json", f"select * from read_csv('{secret}')")
         assert r.exit_code == 0, r.output
         assert '"a": 1' in r.output and '"b": 2' in r.output
+
+
+# --- values from the log are printed as they are ------------------------------------------
+
+MARKUP = "[red]hidden[/red] text [/usr/bin/python3] [bold]"
+
+
+@pytest.fixture(scope="module")
+def markup_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from poimen_data import events as ev
+
+    log = pdm.open_log(str(tmp_path_factory.mktemp("markup") / "log"))
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted("acme", "run-1", "v[1]"))
+        tx.append(ev.AttemptDispatched("acme", "run-1", 0, "[step]", 0, 1,
+                                       context=ev.ContextPartition(("kb/1", "[x]"), (), ("[d]",))))
+        tx.append(ev.AttemptFinished("acme", "run-1", 0, "[step]", 1, "failed",
+                                     error=MARKUP))
+    return log.root
+
+
+@pytest.fixture
+def wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables as wide as they need: no cell folded over lines."""
+    monkeypatch.setattr(cli.out, "width", 400)
+
+
+@pytest.mark.usefixtures("wide")
+def test_show_prints_the_log_s_text_as_it_is_never_as_markup(markup_root: str) -> None:
+    """A value holding rich markup (or what looks like it, a path in brackets) is shown
+    verbatim: it once raised ``MarkupError`` (a traceback) or hid what it wrapped."""
+    r = poimen("show", "run-1", "--root", markup_root)
+    assert r.exit_code == 0, r.output
+    assert MARKUP in r.output and "[step]" in r.output and "v[1]" in r.output
+    assert "[d]" in r.output  # the context it dropped
+
+
+@pytest.mark.usefixtures("wide")
+def test_sql_prints_values_lists_and_names_as_they_are(markup_root: str) -> None:
+    r = poimen("sql", "--root", markup_root, "select error as \"[b]e[/b]\", context, "
+               "['/usr/bin'] as l from attempts where error is not null")
+    assert r.exit_code == 0, r.output
+    assert "[b]e[/b]" in r.output and MARKUP in r.output
+    assert "packed=[kb/1, [x]]" in r.output and "[/usr/bin]" in r.output
+
+
+def test_export_to_a_path_with_brackets_prints_its_one_line(markup_root: str,
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "ex[/a]" / "o.jsonl"
+    out.parent.mkdir(parents=True)
+    r = poimen("export", "--root", markup_root, "--out", str(out), "--format", "jsonl")
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}: " in "".join(r.output.splitlines())
+
+
+def test_sql_json_gives_iso_dates_times_and_names_non_finite_floats(markup_root: str) -> None:
+    import json
+
+    r = poimen("sql", "--root", markup_root, "--json",
+               "select date '2024-02-03' as d, time '12:00:01' as t, interval 90 second as i, "
+               "'nan'::double as n, 'inf'::double as p, 1.5::double as x")
+    assert r.exit_code == 0, r.output
+    # an interval as Arrow's (months, days, nanoseconds)
+    assert json.loads(r.output) == [{"d": "2024-02-03", "t": "12:00:01", "i": [0, 0, 90 * 10**9],
+                                     "n": "nan", "p": "inf", "x": 1.5}]

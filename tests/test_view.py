@@ -464,6 +464,39 @@ def test_the_sandbox_connection_itself_refuses(log, tmp_path, statement) -> None
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sql_page_cannot_write_the_state_files_through_explain_analyze(tmp_path) -> None:
+    """DuckDB may open the state files the views read (``allowed_paths``) and lets SQL
+    write what it may read; EXPLAIN ANALYZE runs the statement it explains, so an EXPLAIN
+    is judged by that statement: only an EXPLAIN of a SELECT runs."""
+    import hashlib
+
+    from poimen_data.testing import record_run
+
+    log = pdm.open_log(tmp_path / "log")
+    record_run(log, "r0", [("plan", ["succeeded"])])
+    pdm.materialize(log)
+
+    def state() -> dict[str, str]:
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted((tmp_path / "log" / "state").rglob("*")) if p.is_file()}
+
+    before = state()
+    file = next((tmp_path / "log" / "state" / "runs").glob("*.parquet"))
+    with TestClient(create_app(log), base_url="http://127.0.0.1") as c:
+        for q in (f"EXPLAIN ANALYZE COPY (select 1 as x) TO '{file}' (use_tmp_file false)",
+                  f"explain /* a */ analyse (format json) copy (select 1 as x) to '{file}' "
+                  "(use_tmp_file false)"):
+            r = c.get("/sql", params={"q": q})
+            assert r.status_code == 400, r.text[:300]
+            assert error_line(r) == "read-only: EXPLAIN of a SELECT only, got EXPLAIN of COPY"
+            d = c.get("/sql/download", params={"q": q, "format": "csv"})
+            assert d.status_code == 400, d.text[:300]
+        assert state() == before
+        ok = c.get("/sql", params={"q": "explain analyze select count(*) from runs"})
+        assert ok.status_code == 200
+    assert state() == before
+
+
 # --- read-only, CLI, server ------------------------------------------------------------------
 
 

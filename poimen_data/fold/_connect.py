@@ -206,9 +206,43 @@ def outside_statement(query: str) -> str | None:
         return None
     for st in statements:
         kind = st.type.name
+        if kind == "EXPLAIN":  # EXPLAIN ANALYZE runs what it explains: judged by that
+            inner = explained_statements(st.query)
+            if inner is None:
+                return kind  # not found: refused rather than run
+            kind = next((t for t in inner if t in OUTSIDE_STATEMENTS), "")
         if kind in OUTSIDE_STATEMENTS:
             return kind
     return None
+
+
+def explained_statements(statement: str) -> list[str] | None:
+    """The types of the statements an ``EXPLAIN [ANALYZE] [(options)]`` statement explains
+    (``EXPLAIN ANALYZE`` runs them: ``EXPLAIN ANALYZE COPY ... TO`` writes), found past
+    its keywords, options and comments with DuckDB's own tokenizer; None when they cannot
+    be found or parsed."""
+    tokens = duckdb.tokenize(statement)
+    ends = [pos for pos, _kind in tokens[1:]] + [len(statement)]
+    words = [(pos, statement[pos:end].strip().upper()) for (pos, kind), end
+             in zip(tokens, ends, strict=True) if kind != duckdb.token_type.comment]
+    if not words or words[0][1] != "EXPLAIN":
+        return None
+    i = 1
+    if i < len(words) and words[i][1] in ("ANALYZE", "ANALYSE"):
+        i += 1
+    if i < len(words) and words[i][1] == "(":  # options: past the matching parenthesis
+        depth = 0
+        while i < len(words):
+            depth += {"(": 1, ")": -1}.get(words[i][1], 0)
+            i += 1
+            if depth == 0:
+                break
+    if i >= len(words):
+        return None
+    try:
+        return [st.type.name for st in duckdb.extract_statements(statement[words[i][0]:])]
+    except duckdb.Error:
+        return None
 
 
 def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",
@@ -281,5 +315,5 @@ def connect(
 
 __all__ = [
     "OUTSIDE_STATEMENTS", "SOURCES", "TAIL", "EventStream", "connect", "lock_down",
-    "open_views", "outside_statement", "tail_views",
+    "explained_statements", "open_views", "outside_statement", "tail_views",
 ]

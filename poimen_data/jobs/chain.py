@@ -9,15 +9,18 @@ call this module.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import time
+import time as _time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, Literal
 
 from rich.table import Table
+from rich.text import Text
 
 from poimen_data.fold._check import check as _check
 from poimen_data.fold._state import materialize as _materialize
@@ -48,12 +51,18 @@ def jsonable(x: Any, depth: int = 0) -> Any:
         return [jsonable(v, depth + 1) for v in x]
     if isinstance(x, Decimal):
         return str(x)
-    if isinstance(x, datetime):
+    if isinstance(x, datetime | date | time):  # ISO 8601, as SQL results hand them over
         return x.isoformat()
+    if isinstance(x, timedelta):  # an interval: its seconds
+        return x.total_seconds()
     if isinstance(x, bytes):
         return x.decode("utf-8", "replace")
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # "nan", "inf", "-inf": JSON has no such numbers (jq refuses NaN)
     if x is None or isinstance(x, bool | int | float | str):
         return x
+    if isinstance(x, uuid.UUID):
+        return str(x)
     return repr(x)
 
 
@@ -67,7 +76,7 @@ class StageResult:
 
 
 def _run(name: str, body: Callable[[], tuple[str, Any]]) -> StageResult:
-    t0 = time.perf_counter()
+    t0 = _time.perf_counter()
     try:
         detail, data = body()
         status: StageStatus = "ok"
@@ -76,7 +85,7 @@ def _run(name: str, body: Callable[[], tuple[str, Any]]) -> StageResult:
         data = exc.args[1] if len(exc.args) > 1 else {}
     except Exception as exc:  # one stage's fault, library bug included, is a result
         status, detail, data = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0], {}
-    return StageResult(name, status, round(time.perf_counter() - t0, 3), detail,
+    return StageResult(name, status, round(_time.perf_counter() - t0, 3), detail,
                        jsonable(data))
 
 
@@ -172,8 +181,9 @@ def run_chain(log: Any, stages: Sequence[str] = STAGES, *, out_dir: str | None =
 
 
 def titled(title: str, **kw: Any) -> Table:
-    """A table at least as wide as its title (rich would wrap a long title)."""
-    return Table(title=title, min_width=len(title) + 4, **kw)
+    """A table at least as wide as its title (rich would wrap a long title), shown as it
+    is (a path in it is not rich markup)."""
+    return Table(title=Text(title, style="table.title"), min_width=len(title) + 4, **kw)
 
 
 def summary_table(results: Sequence[StageResult], title: str = "nightly") -> Table:
@@ -183,5 +193,6 @@ def summary_table(results: Sequence[StageResult], title: str = "nightly") -> Tab
     t.add_column("seconds", justify="right")
     t.add_column("what happened", overflow="fold")
     for r in results:
-        t.add_row(r.name, f"[{STYLE[r.status]}]{r.status}[/]", f"{r.seconds:.2f}", r.detail)
+        t.add_row(Text(r.name), f"[{STYLE[r.status]}]{r.status}[/]", f"{r.seconds:.2f}",
+                  Text(r.detail))  # Text: paths and messages are not rich markup
     return t

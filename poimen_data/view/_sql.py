@@ -19,7 +19,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from poimen_data.errors import one_line
-from poimen_data.fold._connect import connect, lock_down
+from poimen_data.fold._connect import connect, explained_statements, lock_down
 from poimen_data.log._log import EventLog
 
 #: Rows the page shows; a download carries up to ``DOWNLOAD_ROWS``.
@@ -62,6 +62,12 @@ def check_statement(query: str) -> str:
     if kind not in ALLOWED:
         raise QueryRefused(f"read-only: {kind.name} statements are refused "
                            "(only SELECT and EXPLAIN run here)")
+    if kind == duckdb.StatementType.EXPLAIN:  # of a SELECT only: EXPLAIN ANALYZE runs it
+        inner = explained_statements(stmts[0].query)
+        if inner != ["SELECT"]:
+            raise QueryRefused("read-only: EXPLAIN of a SELECT only, got EXPLAIN of "
+                               + ("a statement that cannot be read" if inner is None
+                                  else " and ".join(inner) or "nothing"))
     return q
 
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -159,7 +160,8 @@ def _report(out: Console, log: Any, s: Any, results: list[st.StageResult],
             files: list[tuple[str, int, int]], how: str, t_record: float,
             total: float) -> None:
     verb = "Replaced the previous demo root" if how == "replaced" else "Created"
-    out.print(f"[bold]{verb} {log.root}[/]: recorded {s.runs} runs ({s.events:,} events, "
+    out.print(f"[bold]{verb} {escape(str(log.root))}[/]: recorded {s.runs} runs "
+              f"({s.events:,} events, "
               f"{s.commits:,} commits, head LSN {s.head:,}) in {t_record:.1f} s; "
               f"everything took {total:.1f} s.")
     out.print(_counts("Runs by state", s.runs_by_state, "state"))
