@@ -239,6 +239,51 @@ def test_episode_of_a_run_rewound_twice(client, counting) -> None:
     assert counting.gets == 0
 
 
+def test_a_step_index_far_out_gives_a_column_per_step_there(tmp_path) -> None:
+    """The branch tree has a column per step index that is there, not one per index up to
+    the largest (2**62, which the value limits allow, ran the server out of memory)."""
+    from poimen_data import events as ev
+
+    log = pdm.open_log(tmp_path / "log", durable=False)
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted("acme", "far", "wf@1"))
+        for i, step in ((0, "plan"), (2**62, "far")):
+            tx.append(ev.AttemptDispatched("acme", "far", 0, step, i, 1))
+            tx.append(ev.AttemptFinished("acme", "far", 0, step, 1, "succeeded"))
+    with TestClient(create_app(log), base_url="http://127.0.0.1") as c:
+        r = c.get("/runs/far")
+    assert r.status_code == 200
+    tree = r.text[r.text.index("branch tree of far"):]
+    tree = tree[:tree.index("</svg>")]
+    assert tree.count("<circle") == 2
+    xs = [int(v) for v in re.findall(r'<circle cx="(\d+)"', tree)]
+    assert xs[1] - xs[0] == 64  # next to each other: one column width apart
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ({"page": str(2**62)}, "page must be between 0 and 1,000,000,000,000"),
+    ({"min_attempts": "99999999999999999999"}, "min_attempts must be between 0 and"),
+    ({"max_cost": "-1e30"}, "max_cost must be within -999999999.999999999 .. "),
+    ({"min_cost": "123456789012345678901234567890"}, "min_cost must be within "),
+])
+def test_runs_page_refuses_numbers_past_what_its_columns_hold(client, query, message) -> None:
+    r = client.get("/", params=query)
+    assert r.status_code == 400 and error_line(r).startswith(message), r.text[-400:]
+
+
+@pytest.mark.parametrize(("path", "query", "message"), [
+    ("/sql", "select 'infinity'::timestamp as t", "the result holds a value this page "
+                                                  "cannot show: "),
+    ("/sql", "select '-infinity'::date as d", "the result holds a value this page cannot "
+                                              "show: "),
+    ("/sql/download", "select interval 1 day as i", "the result holds a value csv cannot "
+                                                    "carry here: "),
+])
+def test_sql_page_refuses_a_value_it_cannot_show(client, path, query, message) -> None:
+    r = client.get(path, params={"q": query, "format": "csv"})
+    assert r.status_code == 400 and error_line(r).startswith(message), r.text[-400:]
+
+
 def test_episode_page_travels_in_time(client, log) -> None:
     (recovery,) = sql(log, "select max(lsn) from events where run_id = ?", [REWOUND])[0]
     r = client.get(f"/runs/{REWOUND}", params={"at_lsn": recovery - 1})

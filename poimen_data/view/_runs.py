@@ -16,6 +16,7 @@ from typing import Any, Literal
 import duckdb
 
 from poimen_data.fold._query import FAILED_STATES
+from poimen_data.model._limits import COST_MAX
 
 #: Columns the page can sort by (the SQL text is chosen from this list, never from input).
 SORTS = ("started_at", "ended_at", "run_id", "state", "tenant", "workflow_version",
@@ -76,13 +77,17 @@ class RunQuery:
     limit: int = DEFAULT_LIMIT
 
 
+#: the largest whole number a filter or page number takes (its rows' offset fits BIGINT)
+MAX_WHOLE = 10**12
+
+
 def _int(name: str, raw: str) -> int:
     try:
         v = int(raw)
     except ValueError:
         raise BadRequest(f"{name} must be a whole number, got {raw!r}") from None
-    if v < 0:
-        raise BadRequest(f"{name} must be >= 0, got {v}")
+    if not 0 <= v <= MAX_WHOLE:  # past it, DuckDB's BIGINT arithmetic overflows
+        raise BadRequest(f"{name} must be between 0 and {MAX_WHOLE:,}, got {raw[:40]!r}")
     return v
 
 
@@ -101,6 +106,8 @@ def _money(name: str, raw: str) -> Decimal:
         raise BadRequest(f"{name} must be a number, got {raw!r}") from None
     if not d.is_finite():
         raise BadRequest(f"{name} must be a finite number, got {raw!r}")
+    if abs(d) > COST_MAX:  # what decimal(18, 9) holds: the column's type
+        raise BadRequest(f"{name} must be within -{COST_MAX} .. {COST_MAX}, got {raw[:40]!r}")
     return d
 
 

@@ -101,11 +101,20 @@ def _run(con: duckdb.DuckDBPyConnection, query: str, rows: int) -> pa.Table:
     return table.slice(0, rows + 1)
 
 
+#: what turning a result's values into Python or CSV can raise for a value DuckDB holds
+#: and they cannot (an infinite date, an interval in CSV)
+_UNSHOWABLE = (OverflowError, ValueError, pa.ArrowInvalid, pa.ArrowNotImplementedError)
+
+
 def run_query(con: duckdb.DuckDBPyConnection, query: str, rows: int = SHOW_ROWS) -> Result:
     table = _run(con, query, rows)
     shown = table.slice(0, rows)
-    data = list(zip(*(c.to_pylist() for c in shown.columns), strict=True)) \
-        if shown.num_columns else []
+    try:
+        data = list(zip(*(c.to_pylist() for c in shown.columns), strict=True)) \
+            if shown.num_columns else []
+    except _UNSHOWABLE as exc:
+        raise QueryRefused(f"the result holds a value this page cannot show: "
+                           f"{one_line(exc)}") from None
     return Result(tuple(table.column_names), data, table.num_rows > rows)
 
 
@@ -113,6 +122,15 @@ def download(con: duckdb.DuckDBPyConnection, query: str, fmt: Format) -> bytes:
     """The query's result (up to ``DOWNLOAD_ROWS``) as CSV or parquet bytes, in memory."""
     table = _run(con, query, DOWNLOAD_ROWS).slice(0, DOWNLOAD_ROWS)
     sink = io.BytesIO()
+    try:
+        _write(table, fmt, sink)
+    except _UNSHOWABLE as exc:
+        raise QueryRefused(f"the result holds a value {fmt} cannot carry here: "
+                           f"{one_line(exc)}") from None
+    return sink.getvalue()
+
+
+def _write(table: pa.Table, fmt: Format, sink: io.BytesIO) -> None:
     if fmt == "csv":
         flat = pa.Table.from_arrays(
             [c if _flat(c.type) else pa.array(
@@ -121,7 +139,6 @@ def download(con: duckdb.DuckDBPyConnection, query: str, fmt: Format) -> bytes:
         pacsv.write_csv(flat, sink)
     else:
         pq.write_table(table, sink)
-    return sink.getvalue()
 
 
 def _flat(t: pa.DataType) -> bool:

@@ -43,9 +43,13 @@ def branch_tree(view: EpisodeView, state_of: dict[tuple[int, str, int], str]) ->
         most = max([most, *per.values()])
     if not steps:
         steps = {0: ""}
-    first, last = min(0, *steps), max(steps)
+    first = min(0, *steps)
+    # a column per step index that is there (and each fork's), in order: not one per
+    # index between them (an index of 2**62 made a dict of that many entries)
+    cols = sorted({first, *steps, *(b.fork_step_index for b in branches
+                                    if b.fork_step_index is not None)})
     cw, lane, left, top = max(64, 12 * most + 24), 34, 150, 34
-    x = {i: left + (i - first) * cw + 10 for i in range(first, last + 1)}
+    x = {i: left + n * cw + 10 for n, i in enumerate(cols)}
     lane_of = {b.branch_id: n for n, b in enumerate(branches)}
     body = []
     for i, name in sorted(steps.items()):
@@ -81,7 +85,7 @@ def branch_tree(view: EpisodeView, state_of: dict[tuple[int, str, int], str]) ->
             body.append(f'<circle cx="{cx:.0f}" cy="{y}" r="5" fill="{COLORS.get(state, "#999")}" '
                         f'stroke="#fff" class="dot {esc(state)}"><title>'
                         f'{esc(f"{a.step} #{a.attempt}: {state}")}</title></circle>')
-    width = left + (last - first + 1) * cw + 20
+    width = left + len(cols) * cw + 20
     return _svg(width, top + len(branches) * lane, body, f"branch tree of {view.run_id}")
 
 
