@@ -31,6 +31,7 @@ from poimen_data.bench._recorder import (
     _line,
 )
 from poimen_data.bench._runner import Result, run, run_cli, scenario_names, write_json
+from poimen_data.errors import ValidationError
 
 RESULT_KEYS = {"name", "title", "status", "goal", "ours", "reference", "ratio", "unit",
                "ref_unit", "ours_text", "reference_text", "ratio_text", "met", "note",
@@ -108,6 +109,7 @@ def test_quick_bench_reports_every_scenario(quick_results: list[Result]) -> None
 def test_quick_bench_json_has_the_expected_keys(quick_results: list[Result],
                                                 tmp_path: Path) -> None:
     path = tmp_path / "out" / "bench.json"
+    path.parent.mkdir()  # a missing directory is refused, as for an export
     write_json(str(path), quick_results, quick=True, wall_s=1.0)
     doc: dict[str, Any] = json.loads(path.read_text())
     assert {"schema", "created", "quick", "command", "machine", "wall_s", "results"} <= set(doc)
@@ -135,6 +137,31 @@ def test_run_cli_one_scenario_prints_and_writes_json(tmp_path: Path,
     assert [r["name"] for r in doc["results"]] == ["event_objects"]
     assert doc["results"][0]["status"] == "ok"
     assert list((tmp_path / "work").iterdir()) == []  # the work directory is removed
+
+
+def test_bench_json_never_writes_through_a_link_nor_makes_a_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before the run (exit 2, one line), and by ``write_json`` itself: a symlink,
+    live or dangling, is not followed to a file outside the path named; a missing
+    directory is not made; a regular file is replaced whole."""
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep")
+    live, dangling = tmp_path / "live.json", tmp_path / "dangling.json"
+    live.symlink_to(outside)
+    dangling.symlink_to(tmp_path / "made-outside.json")
+    for path in (live, dangling, tmp_path / "missing" / "b.json"):
+        assert run_cli(True, str(path), "event_objects", str(tmp_path / "work")) == 2
+        assert capsys.readouterr().out.startswith("error: bench --json: ")
+        with pytest.raises(ValidationError, match="bench --json: "):
+            write_json(str(path), [], quick=True)
+    assert outside.read_text() == "keep" and not (tmp_path / "made-outside.json").exists()
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "work").exists()
+    plain = tmp_path / "plain.json"
+    plain.write_text("old")
+    write_json(str(plain), [], quick=True)
+    assert json.loads(plain.read_text())["results"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dangling.json", "live.json", "outside.json", "plain.json"]
 
 
 def test_run_cli_unknown_scenario_is_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -134,11 +134,22 @@ def report_doc(results: list[Result], quick: bool, wall_s: float | None = None) 
 
 def write_json(path: str, results: list[Result], quick: bool,
                wall_s: float | None = None) -> None:
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True)
-    p.write_text(json.dumps(report_doc(results, quick, wall_s), indent=2, sort_keys=True)
-                 + "\n")
+    """The report at ``path``: a new or regular file in an existing directory (a symlink,
+    a directory or a device is refused, as an export's destination is), written whole
+    under a temporary name and moved there."""
+    from poimen_data.storage import _dest
+
+    path = os.path.abspath(path)
+    _dest.check_dest(path, "bench --json")
+    f, tmp = _dest.open_temp(path)
+    try:
+        f.write((json.dumps(report_doc(results, quick, wall_s), indent=2, sort_keys=True)
+                 + "\n").encode())
+    except BaseException:
+        f.close()
+        _dest.discard(tmp)
+        raise
+    _dest.publish(f, tmp, path, "bench --json")
 
 
 def _met_text(r: Result) -> str:
@@ -201,6 +212,15 @@ def run_cli(quick: bool, json_path: str | None, only: str | None, root: str | No
     except KeyError as exc:
         console.print(f"[red]{exc.args[0]}[/]")
         return 2
+    if json_path:  # before the run: not refused after minutes of it
+        from poimen_data.errors import ValidationError
+        from poimen_data.storage import _dest
+
+        try:
+            _dest.check_dest(os.path.abspath(json_path), "bench --json")
+        except ValidationError as exc:
+            console.print(f"error: {exc}", markup=False, highlight=False)
+            return 2
     t0 = time.perf_counter()
     with console.status("benchmarking...") as status:
         def progress(r: Result) -> None:

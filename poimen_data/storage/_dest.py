@@ -30,18 +30,18 @@ def temp_name(path: str) -> str:
     return os.path.join(parent, f".{name}.{uuid.uuid4().hex}.tmp")
 
 
-def check_dest(path: str) -> None:
+def check_dest(path: str, who: str = "export") -> None:
     """Refuse a destination that is not a regular file, or whose directory is missing."""
     parent = os.path.dirname(path) or "."
     if not os.path.isdir(parent):
-        raise ValidationError(f"export: directory {parent} does not exist (create it first)")
+        raise ValidationError(f"{who}: directory {parent} does not exist (create it first)")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
     for test, what in _KINDS:
         if test(mode):
-            raise ValidationError(f"export: {path} is {what}; refusing to replace it")
+            raise ValidationError(f"{who}: {path} is {what}; refusing to replace it")
 
 
 def open_temp(path: str) -> tuple[IO[bytes], str]:
@@ -55,12 +55,12 @@ def open_temp(path: str) -> tuple[IO[bytes], str]:
     return os.fdopen(fd, "wb"), tmp
 
 
-def publish(f: IO[bytes], tmp: str, path: str) -> None:
+def publish(f: IO[bytes], tmp: str, path: str, who: str = "export") -> None:
     """fsync the written file and move it onto ``path`` (checked again just before)."""
     f.flush()
     os.fsync(f.fileno())
     try:
-        check_dest(path)
+        check_dest(path, who)
         os.replace(tmp, path)
     except BaseException:
         discard(tmp)
