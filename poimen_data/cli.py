@@ -731,7 +731,12 @@ def view(host: Annotated[str, typer.Option(
         if not no_open:
             webbrowser.open(url)
 
-    serve(app, host=host, port=port, on_ready=ready)
+    try:
+        serve(app, host=host, port=port, on_ready=ready)
+    except SystemExit as exc:  # uvicorn's 3 when it cannot listen (it printed why): our 1
+        if exc.code not in (0, None):
+            raise typer.Exit(1) from None
+        raise
 
 
 def main() -> None:

@@ -317,3 +317,14 @@ def test_sql_json_gives_iso_dates_times_and_names_non_finite_floats(markup_root:
     # an interval as Arrow's (months, days, nanoseconds)
     assert json.loads(r.output) == [{"d": "2024-02-03", "t": "12:00:01", "i": [0, 0, 90 * 10**9],
                                      "n": "nan", "p": "inf", "x": 1.5}]
+
+
+def test_view_that_cannot_listen_exits_1(root: str) -> None:
+    """uvicorn exits 3 when it cannot bind (and says why); the CLI's codes are 0, 1, 2."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = poimen("view", "--root", root, "--port", str(taken.getsockname()[1]), "--no-open")
+    assert r.exit_code == 1, r.output
