@@ -106,8 +106,16 @@ def test_export_never_replaces_a_symlink_or_a_fifo(root: str, tmp_path: Path) ->
     _one_error_line(poimen("export", "--root", root, "--out", str(fifo)),
                     f"export: {fifo} is a FIFO; refusing to replace it")
     assert fifo.is_fifo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.jsonl", "link.jsonl",
-                                                          "precious.txt"]
+    # a chained URL over the same files: its file system is not the one checked
+    folder = tmp_path / "dir.jsonl"
+    folder.mkdir()
+    for dest in (link, fifo, folder):
+        _one_error_line(poimen("export", "--root", root, "--out", f"simplecache::file://{dest}"),
+                        "is a chained URL; name the destination itself")
+    assert link.is_symlink() and target.read_bytes() == b"keep me" and fifo.is_fifo()
+    assert list(folder.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.jsonl", "fifo.jsonl",
+                                                          "link.jsonl", "precious.txt"]
 
 
 def test_export_into_a_missing_directory_is_an_error(root: str, tmp_path: Path) -> None:

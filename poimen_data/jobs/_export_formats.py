@@ -303,7 +303,12 @@ def Sink(dest: str, storage_options: dict[str, Any] | None) -> AtomicWriter:  # 
     """The writer of an export: a file at a temporary name next to ``dest`` (any fsspec
     URL), moved onto ``dest`` only when the ``with`` block exits cleanly, so a failed
     export leaves nothing there. It is the storage layer's streamed hashing writer,
-    opened on the destination's folder (the only fsspec user is ``storage``)."""
+    opened on the destination's folder (the only fsspec user is ``storage``). A chained
+    URL (``simplecache::file://...``) is refused: the file system under the chain is not
+    the one checked, so a local symlink, FIFO or directory there would be replaced."""
+    if "::" in dest:
+        raise ValidationError(f"export: {dest!r} is a chained URL; name the destination "
+                              "itself (a path, file://, s3://, ...)")
     if "://" in dest:
         proto, _, path = dest.partition("://")
         parent, _, name = path.rstrip("/").rpartition("/")
