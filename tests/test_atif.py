@@ -253,3 +253,56 @@ def test_cli_import_and_export(tmp_path: Path) -> None:
     r = poimen("export", "--format", "atif", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert len(trajectories(out)) == 1
+
+
+@pytest.mark.parametrize(("prompt", "output"), [
+    (b'{"atif":"context","steps":[1]}', b"answer"),
+    (b'{"atif":"context","steps":"abc"}', b"answer"),
+    (b'{"atif":"context","steps":[{"source":"user","message":"x","bogus":1}]}', b"answer"),
+    (b'{"atif":"context","steps":[],"trajectory":{"agent":5}}', b"answer"),
+    (b"question", b'{"atif":"agent_step","step":{"bogus":1}}'),
+    (b"question", b'{"atif":"agent_step","step":{"message":"m","metrics":5}}'),
+])
+def test_a_body_that_only_looks_imported_goes_out_as_text(tmp_path: Path, prompt: bytes,
+                                                          output: bytes) -> None:
+    """A prompt or output starting with the import's tag, written by a user or a model,
+    is taken as an imported trajectory's structure only when that is valid ATIF: else
+    it is the step's text, and the trajectory still validates (it once crashed the
+    export or wrote invalid ATIF)."""
+    log = pdm.open_log(tmp_path / "log", durable=False)
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted("acme", "r", "v"))
+        p, o = tx.put_blob("acme", prompt), tx.put_blob("acme", output)
+        tx.append(ev.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=p))
+        tx.append(ev.AttemptFinished("acme", "r", 0, "s", 1, "succeeded", output=o))
+    dest = tmp_path / "out.atif.jsonl"
+    pdm.export_live(log, str(dest), format="atif")
+    (doc,) = trajectories(dest)
+    atif.Trajectory.model_validate(doc)
+    assert doc["agent"] == {"name": "poimen", "version": "v"}
+    assert [(s["source"], s["message"]) for s in doc["steps"]] == [
+        ("user", prompt.decode()), ("agent", output.decode())]
+
+
+def test_money_keeps_its_nine_places_under_a_millionth(tmp_path: Path) -> None:
+    """``str`` of a Decimal turns to the exponent form below 1e-6 ("0E-9" for zero)."""
+    log = pdm.open_log(tmp_path / "log", durable=False)
+    costs = [Decimal(0), Decimal("0.000000001"), Decimal("0.00000025")]
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted("acme", "r", "v"))
+        for i, cost in enumerate(costs):
+            o = tx.put_blob("acme", f"answer {i}".encode())
+            p = tx.put_blob("acme", f"question {i}".encode())
+            tx.append(ev.AttemptDispatched("acme", "r", 0, f"s{i}", i, 1, prompt=p))
+            tx.append(ev.AttemptFinished("acme", "r", 0, f"s{i}", 1, "succeeded", output=o,
+                                         usage=ev.Usage(cost_usd=cost)))
+    dest = tmp_path / "out.jsonl"
+    pdm.export_live(log, str(dest), format="jsonl")
+    got = [json.loads(line)["metadata"]["usage"]["cost_usd"]
+           for line in dest.read_text().splitlines()]
+    assert got == ["0.000000000", "0.000000001", "0.000000250"]
+    pdm.export_live(log, str(tmp_path / "out.atif"), format="atif")
+    (doc,) = trajectories(tmp_path / "out.atif")
+    assert [s["metrics"]["extra"]["cost_usd"] for s in doc["steps"]
+            if s["source"] == "agent"] == got
+    assert doc["final_metrics"]["extra"]["total_cost_usd"] == "0.000000251"

@@ -76,6 +76,44 @@ def _loads_tagged(body: bytes | None, tag: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def _atif_steps(steps: Any) -> bool:
+    """Whether ``steps`` are ATIF steps (the ``atif`` package's ``Step``, numbered here):
+    what a tagged body must carry to be taken as an imported trajectory's structure. Any
+    other body starting with the tag (a user's or a model's text) goes out as text."""
+    import atif
+    import pydantic
+
+    if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
+        return False
+    try:
+        for n, step in enumerate(steps, start=1):
+            atif.Step.model_validate({**step, "step_id": n})
+    except (pydantic.ValidationError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _atif_header(header: Any) -> bool:
+    """Whether an imported trajectory's header (agent, ids, notes, extra, the steps after
+    its last agent step) makes a valid trajectory."""
+    import atif
+    import pydantic
+
+    if not isinstance(header, dict) or not _atif_steps(header.get("tail_steps") or []):
+        return False
+    doc = _drop_none({
+        "schema_version": SCHEMA_VERSION, "session_id": header.get("session_id", "s"),
+        "trajectory_id": header.get("trajectory_id"),
+        "agent": header.get("agent") or {"name": AGENT_NAME, "version": "v"},
+        "notes": header.get("notes"), "extra": header.get("extra"),
+        "steps": [{"step_id": 1, "source": "agent", "message": ""}]})
+    try:
+        atif.Trajectory.model_validate(doc)
+    except (pydantic.ValidationError, TypeError, ValueError):
+        return False
+    return True
+
+
 class AtifWriter:
     """One ATIF trajectory per line (a run's live trajectory), runs in ``run_id`` order.
     A run's steps are held until its last attempt is written (one run in memory)."""
@@ -101,8 +139,11 @@ class AtifWriter:
     def _attempt(self, row: dict[str, Any], prompt: bytes | None, prompt_reduced: bool,
                  output: bytes | None, output_reduced: bool) -> None:
         ctx = _loads_tagged(prompt, _CONTEXT) if not prompt_reduced else None
+        if ctx is not None and (not _atif_steps(ctx.get("steps") or []) or (
+                "trajectory" in ctx and not _atif_header(ctx["trajectory"]))):
+            ctx = None  # the tag, but not an import's steps and header: the body's text
         if ctx is not None:
-            if self._header is None and isinstance(ctx.get("trajectory"), dict):
+            if self._header is None and "trajectory" in ctx:
                 self._header = ctx["trajectory"]
             steps = ctx.get("steps") or []
             last_agent = max((j for j, s in enumerate(steps) if s.get("source") == "agent"),
@@ -111,8 +152,8 @@ class AtifWriter:
         elif prompt is not None:
             self._steps.append({"source": "user", "message": body_text(prompt)})
         got = _loads_tagged(output, _AGENT_STEP) if not output_reduced else None
-        step: dict[str, Any] = dict(got["step"]) if got and isinstance(got.get("step"),
-                                                                       dict) else {}
+        step: dict[str, Any] = dict(got["step"]) if got and isinstance(got.get("step"), dict) \
+            and _atif_steps([{**got["step"], "source": "agent"}]) else {}
         if not step:
             step["message"] = body_text(output) if output is not None else ""
             calls = (row["tools"] or {}).get("calls") or []

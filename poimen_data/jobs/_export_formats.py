@@ -103,7 +103,8 @@ class Bodies:
 
 def cost_text(v: Any) -> str | None:
     # JSON has no exact decimal: money travels as a string with the stored 9 places.
-    return None if v is None else str(Decimal(v).quantize(COST_QUANTUM))
+    # format "f": never the exponent form str() takes under 1e-6 ("0E-9" for zero)
+    return None if v is None else format(Decimal(v).quantize(COST_QUANTUM), "f")
 
 
 def _usage(u: Mapping[str, Any] | None) -> dict[str, Any]:
