@@ -182,6 +182,29 @@ def test_run_state_is_the_last_run_level_event(log) -> None:
             [(6, "run_finished", "run event after cancel")]
 
 
+def test_an_event_of_another_tenant_than_its_run_s_is_listed(log) -> None:
+    """A run belongs to the tenant that started it (tenant is the isolation boundary): an
+    event of another tenant on its run_id is kept and folded like any other, and listed,
+    by the cold fold and the materialized state alike."""
+    commit(log, ev.RunStarted("acme", "r", "wf", ts=T),                     # 1
+           ev.AttemptDispatched("acme", "r", 0, "s", 0, 1, ts=T))           # 2
+    commit(log, ev.AttemptDispatched("globex", "r", 0, "s", 0, 2, ts=T),    # 3
+           ev.AttemptFinished("globex", "r", 0, "s", 2, "failed", ts=T),    # 4
+           ev.RunStarted("globex", "g", "wf", ts=T),                        # 5 its own run
+           ev.AttemptDispatched("globex", "g", 0, "s", 0, 1, ts=T))         # 6
+    want = [(3, "attempt_dispatched", "r", "event of another tenant than the run's"),
+            (4, "attempt_finished", "r", "event of another tenant than the run's")]
+    query = "select lsn, kind, run_id, reason from anomalies order by lsn, reason"
+    with pdm.connect(log, source="log") as con:
+        assert rows(con, query) == want
+        assert rows(con, "select run_id, tenant, n_attempts from runs order by 1") == [
+            ("g", "globex", 1), ("r", "acme", 2)]
+    pdm.materialize(log)
+    with pdm.connect(log) as con:
+        assert con.execute("select getvariable('poimen_source')").fetchall() == [("state",)]
+        assert rows(con, query) == want
+
+
 def test_every_forbidden_event_is_kept_folded_and_listed(log) -> None:
     commit(log,
            ev.VerifyingEntered("acme", "ghost", ts=T),                      # 1 unknown run

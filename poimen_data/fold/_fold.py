@@ -197,10 +197,11 @@ _ANOMALIES = """
 -- Events the state machine forbids. They are folded like any other event; this view
 -- says which and why. Every rule looks at one run's events only.
 WITH e AS (
-    SELECT lsn, kind, run_id, branch_id, step_id, attempt_no, parent_branch_id
+    SELECT lsn, kind, tenant, run_id, branch_id, step_id, attempt_no, parent_branch_id
     FROM events WHERE run_id IS NOT NULL
 ), started AS (
-    SELECT run_id, min(lsn) AS lsn FROM e WHERE kind = 'run_started' GROUP BY run_id
+    SELECT run_id, min(lsn) AS lsn, arg_min(tenant, lsn) AS tenant
+    FROM e WHERE kind = 'run_started' GROUP BY run_id
 ), cancelled AS (
     SELECT run_id, min(lsn) AS lsn FROM e WHERE kind = 'run_cancelled' GROUP BY run_id
 ), forked AS (
@@ -222,6 +223,10 @@ UNION ALL
 SELECT e.lsn, e.kind, e.run_id, 'run started twice'
 FROM e JOIN started s USING (run_id)
 WHERE e.kind = 'run_started' AND e.lsn > s.lsn
+UNION ALL
+SELECT e.lsn, e.kind, e.run_id, 'event of another tenant than the run''s'
+FROM e JOIN started s USING (run_id)
+WHERE e.lsn > s.lsn AND e.tenant <> s.tenant
 UNION ALL
 SELECT e.lsn, e.kind, e.run_id, 'run event after cancel'
 FROM e JOIN cancelled c USING (run_id)
