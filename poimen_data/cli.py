@@ -134,7 +134,7 @@ def kv_table(title: str, value: Any) -> Table:
     for k, v in st.jsonable(value).items():
         if isinstance(v, list) and v and isinstance(v[0], dict):
             v = f"{len(v)} items"
-        t.add_row(k, str(v))
+        t.add_row(Text(k), Text(str(v)))  # a lease's owner, a path: never rich markup
     return t
 
 
@@ -475,7 +475,7 @@ def grade(verifier: Annotated[list[str] | None, typer.Option(
     for c in ("verifier", "graded", "skipped", "passed", "failed", "errored"):
         t.add_column(c)
     for v in r.per_verifier:
-        t.add_row(v.verifier, *(str(getattr(v, c)) for c in
+        t.add_row(Text(v.verifier), *(str(getattr(v, c)) for c in
                                 ("graded", "skipped", "passed", "failed", "errored")))
     out.print(t)
 

@@ -225,6 +225,10 @@ def _state_files(root: str) -> dict[str, str]:
     "EXPLAIN /* a */ ANALYSE -- b\n (FORMAT json) COPY (select 1 as x) TO '{file}' "
     "(use_tmp_file false)",
     "explain (analyze) copy (select 1 as x) to '{file}' (use_tmp_file false)",
+    # the tokenizer counts UTF-8 bytes: characters of two bytes once shifted the slice into
+    # the string literal, which read as a SELECT
+    "EXPLAIN ANALYZE /*éééééééééééééé*/ COPY (SELECT 'SELECT 1 --' AS x) TO '{file}' "
+    "(FORMAT parquet, USE_TMP_FILE false)",
 ])
 def test_sql_cannot_write_the_state_files_its_views_read(query: str, materialized: str) -> None:
     """DuckDB itself may open exactly the state files (``allowed_paths``), and it lets SQL

@@ -220,16 +220,24 @@ def explained_statements(statement: str) -> list[str] | None:
     """The types of the statements an ``EXPLAIN [ANALYZE] [(options)]`` statement explains
     (``EXPLAIN ANALYZE`` runs them: ``EXPLAIN ANALYZE COPY ... TO`` writes), found past
     its keywords, options and comments with DuckDB's own tokenizer; None when they cannot
-    be found or parsed."""
-    tokens = duckdb.tokenize(statement)
-    ends = [pos for pos, _kind in tokens[1:]] + [len(statement)]
-    words = [(pos, statement[pos:end].strip().upper()) for (pos, kind), end
-             in zip(tokens, ends, strict=True) if kind != duckdb.token_type.comment]
+    be found or parsed. A parenthesis after the keywords may open options or the statement
+    itself (``EXPLAIN (SELECT 1)``): both readings that parse are returned, so a caller
+    refusing any outside type refuses either."""
+    raw = statement.encode()  # the tokenizer's positions count UTF-8 bytes, not characters
+    try:
+        tokens = duckdb.tokenize(statement)
+    except (duckdb.Error, RuntimeError, ValueError):
+        return None
+    ends = [pos for pos, _kind in tokens[1:]] + [len(raw)]
+    words = [(pos, raw[pos:end].decode(errors="replace").strip().upper())
+             for (pos, kind), end in zip(tokens, ends, strict=True)
+             if kind != duckdb.token_type.comment]
     if not words or words[0][1] != "EXPLAIN":
         return None
     i = 1
     if i < len(words) and words[i][1] in ("ANALYZE", "ANALYSE"):
         i += 1
+    starts = [i]
     if i < len(words) and words[i][1] == "(":  # options: past the matching parenthesis
         depth = 0
         while i < len(words):
@@ -237,12 +245,17 @@ def explained_statements(statement: str) -> list[str] | None:
             i += 1
             if depth == 0:
                 break
-    if i >= len(words):
-        return None
-    try:
-        return [st.type.name for st in duckdb.extract_statements(statement[words[i][0]:])]
-    except duckdb.Error:
-        return None
+        starts.append(i)
+    found: list[str] = []
+    for at in starts:
+        if at >= len(words):
+            continue
+        try:
+            found += [st.type.name for st in
+                      duckdb.extract_statements(raw[words[at][0]:].decode())]
+        except duckdb.Error:
+            continue
+    return found or None
 
 
 def open_views(log: EventLog, at_lsn: int | None, *, source: str = "auto",

@@ -307,7 +307,7 @@ def Sink(dest: str, storage_options: dict[str, Any] | None) -> AtomicWriter:  # 
     opened on the destination's folder (the only fsspec user is ``storage``). A chained
     URL (``simplecache::file://...``) is refused: the file system under the chain is not
     the one checked, so a local symlink, FIFO or directory there would be replaced."""
-    if "::" in dest:
+    if "::" in dest.partition("://")[0] and "://" in dest:  # fsspec's chain, not a name
         raise ValidationError(f"export: {dest!r} is a chained URL; name the destination "
                               "itself (a path, file://, s3://, ...)")
     if "://" in dest:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import numbers
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -164,10 +165,15 @@ class VacuumReport:
     segment_lists_removed: int = 0  # checkpoints' segment lists no document left names
 
 
+def _count(v: Any) -> bool:
+    """An int (numpy's too), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _check_seconds(name: str, v: Any) -> None:
     """``vacuum``'s ages: a number of seconds >= 0 (infinity keeps everything; NaN, which
     compares false with every age, would remove at once what a grace is there to keep)."""
-    if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not float(v) >= 0:
         raise ValidationError(f"vacuum: {name} must be a number of seconds >= 0, got "
                               f"{short_repr(v)}")
 
@@ -534,12 +540,14 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     as a stream, one group at a time: memory holds about ``target_rows`` events, whatever
     the size of the log, and the files of ``GATHER_BATCHES`` old segments at most.
     """
-    if type(target_rows) is not int or target_rows < 1:
+    if not _count(target_rows) or target_rows < 1:
         raise ValidationError(f"compact: target_rows must be an int >= 1, got "
                               f"{short_repr(target_rows)}")
-    if min_rows is not None and (type(min_rows) is not int or min_rows < 0):
+    if min_rows is not None and (not _count(min_rows) or min_rows < 0):
         raise ValidationError(f"compact: min_rows must be an int >= 0 or None, got "
                               f"{short_repr(min_rows)}")
+    target_rows = int(target_rows)
+    min_rows = None if min_rows is None else int(min_rows)
     log = as_log(log, storage_options=storage_options)
     small = target_rows // 2 if min_rows is None else min_rows
     with lease(log) as held:

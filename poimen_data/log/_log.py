@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import numbers
 import operator
 import os
 import random
@@ -1473,10 +1474,14 @@ def open_log(
     """
     if isinstance(root, EventLog):
         return root
-    if checkpoint_interval is not None and (type(checkpoint_interval) is not int
-                                            or not 1 <= checkpoint_interval <= INT64_MAX):
-        raise ValidationError(f"open_log: checkpoint_interval must be an int >= 1 (commits "
-                              f"between checkpoints), got {short_repr(checkpoint_interval)}")
+    if checkpoint_interval is not None:  # an int (numpy's too), not a bool
+        if isinstance(checkpoint_interval, bool) \
+                or not isinstance(checkpoint_interval, numbers.Integral) \
+                or not 1 <= checkpoint_interval <= INT64_MAX:
+            raise ValidationError(f"open_log: checkpoint_interval must be an int >= 1 "
+                                  f"(commits between checkpoints), got "
+                                  f"{short_repr(checkpoint_interval)}")
+        checkpoint_interval = int(checkpoint_interval)
     storage = open_storage(root, storage_options, durable=durable,
                            retry_deadline_s=retry_deadline_s)
     try:

@@ -255,10 +255,14 @@ def _family(t: pa.DataType) -> str:
     return str(t)
 
 
-#: the families a column may be cast from, by the family of its field (an int where the
-#: event path takes a double or an amount: it checks that it is exact; the cast does too)
-_CASTS_FROM = {"bool": {"bool"}, "int": {"int"}, "float": {"int", "float"},
-               "decimal": {"int", "decimal"}, "str": {"str"}, "timestamp": {"timestamp"}}
+#: the families a column may be cast from, by the family of its field: numbers between
+#: numbers where Arrow's safe cast refuses a loss (an int too big for a double, a decimal
+#: with a fraction or out of an int64's range, more decimal places than money keeps), and
+#: a decimal where a double is (DuckDB types a literal 0.5 as DECIMAL(2,1), sum() of ints
+#: as HUGEINT, handed over as decimal128(38, 0)); never a double into money
+_CASTS_FROM = {"bool": {"bool"}, "int": {"int", "decimal"},
+               "float": {"int", "float", "decimal"}, "decimal": {"int", "decimal"},
+               "str": {"str"}, "timestamp": {"timestamp"}}
 
 
 def _cast_problem(src: pa.DataType, dst: pa.DataType) -> str | None:
