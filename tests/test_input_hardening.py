@@ -189,6 +189,18 @@ def test_labels_with_a_key_twice_are_refused_on_the_bulk_path() -> None:
     with pytest.raises(ValidationError, match=r"row 1 \(run_started\): field 'labels'.*twice"):
         ev.validate_table(table)
     ev.validate_table(table.slice(0, 1))  # one of each key: kept
+    # a big table (past _PY_REGEX_LIMIT rows) is judged by a count of (row, key) pairs
+    from poimen_data.model._arrow import _PY_REGEX_LIMIT
+
+    n = _PY_REGEX_LIMIT + 2
+    big = pa.table({"kind": ["run_started"] * n, "tenant": ["acme"] * n,
+                    "run_id": [f"r{i}" for i in range(n)], "workflow_version": ["v1"] * n,
+                    "labels": pa.array([[("a", "1"), ("b", "2")]] * (n - 1)
+                                       + [[("a", "1"), ("a", "2")]],
+                                       pa.map_(pa.string(), pa.string()))})
+    with pytest.raises(ValidationError, match=rf"row {n - 1} \(run_started\): field 'labels'"):
+        ev.validate_table(big)
+    ev.validate_table(big.slice(0, n - 1))
 
 
 def test_the_body_of_a_ref_is_bytes_as_put_blob_takes_it(log_root) -> None:

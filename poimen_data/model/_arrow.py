@@ -593,10 +593,17 @@ def _check_nested(col: Callable[[str], pa.ChunkedArray], fail: Callable[..., Non
             row = next(i for i, v in enumerate(labels.to_pylist())
                        if v is not None and any(val is None for _k, val in v))
             fail(_row_mask(len(labels), row), "labels", "must be a mapping of str to str")
-        # a key twice in one row: a mapping (the event path's labels) cannot hold it
-        pairs = pa.table({"row": pc.list_parent_indices(entries),
-                          "key": pc.struct_field(flat, "key")})
-        if pairs.group_by(["row", "key"]).aggregate([]).num_rows < pairs.num_rows:
+        # a key twice in one row: a mapping (the event path's labels) cannot hold it. A
+        # small table is read in one go (a group_by costs more than its rows); a big one
+        # counts the distinct (row, key) pairs
+        if len(labels) <= _PY_REGEX_LIMIT:
+            twice = any(v is not None and len({k for k, _v in v}) < len(v)
+                        for v in labels.to_pylist())
+        else:
+            pairs = pa.table({"row": pc.list_parent_indices(entries),
+                              "key": pc.struct_field(flat, "key")})
+            twice = pairs.group_by(["row", "key"]).aggregate([]).num_rows < pairs.num_rows
+        if twice:
             row = next(i for i, v in enumerate(labels.to_pylist())
                        if v is not None and len({k for k, _v in v}) < len(v))
             fail(_row_mask(len(labels), row), "labels",
