@@ -398,7 +398,7 @@ def test_a_log_directory_moved_away_under_a_writer_is_not_made_again(tmp_path: P
     assert commit("before").seq == 1
     log.flush()  # its promotion done
     os.rename(root, moved)
-    gone = f"{root}: the log's directory is gone (deleted or moved away while open)"
+    gone = f"{root}: the log's directory is gone (deleted or moved away while open"
     with pytest.raises(pdm.StorageError, match=re.escape(gone)):
         commit("moved")
     with log.recorder(max_delay_ms=0) as rec:
@@ -415,3 +415,19 @@ def test_a_log_directory_moved_away_under_a_writer_is_not_made_again(tmp_path: P
         ("before", "run_started"), ("before", "attempt_dispatched"),
         ("after", "run_started"), ("after", "attempt_dispatched")]
     assert not list(again.storage.walk_files("_staging"))
+    # deleted and made again (rm -rf; mkdir: a freed inode number is soon given again),
+    # then a log made there: a writer of the old one never writes into either
+    stale = pdm.open_log(str(root))  # opened, nothing written: no directory known
+    shutil.rmtree(root)
+    root.mkdir()
+    with pytest.raises(pdm.StorageError, match=re.escape(gone)), stale.transaction() as tx:
+        tx.put_blob("acme", b"into a directory made again")
+        tx.append(E.RunStarted("acme", "stale", "wf"))
+    assert list(root.iterdir()) == []
+    fresh = pdm.open_log(str(root))
+    with fresh.transaction() as tx:
+        tx.append(E.RunStarted("acme", "fresh", "wf"))
+    with pytest.raises(pdm.StorageError, match=re.escape(gone)):
+        commit("stale")
+    assert [e["run_id"] for e in pdm.open_log(str(root)).read_events().to_pylist()] == [
+        "fresh"]

@@ -10,6 +10,7 @@ import ctypes
 import errno
 import logging
 import os
+import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +26,11 @@ from poimen_data.storage._writer import AtomicWriter, HashingSink
 _logger = logging.getLogger(__name__)
 
 
+#: the file a log's root holds from its making on (``pin_root`` tells a root made again
+#: by it)
+ROOT_MARKER = "_poimen.json"
+
+
 class LocalStorage(Storage):
     kind = "local"
     durable_fsync = True
@@ -35,6 +41,7 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(self.root)
         self._dirs: set[str] = set()  # directories known to exist (blobs/<t>/<aa>, ...)
         self._pinned = False  # see pin_root
+        self._root_id: tuple[int, ...] | None = None
 
     def url_of(self, rel: str) -> str:
         return self.full(rel)
@@ -44,16 +51,37 @@ class LocalStorage(Storage):
 
     def pin_root(self) -> None:
         self._pinned = True
+        self._root_id = self._identity()
+
+    def _identity(self) -> tuple[int, ...] | None:
+        """What tells this root from one made again under its name: the device and inode
+        of the directory and of the log's ``_poimen.json`` (written once, when the log is
+        made), and that file's modification time in nanoseconds (a freed inode number is
+        soon given again, to the next directory or file made); None when either is gone."""
+        try:
+            d = os.stat(self.root)
+            f = os.stat(os.path.join(self.root, ROOT_MARKER))
+        except OSError:
+            return None
+        if not stat.S_ISDIR(d.st_mode):
+            return None
+        return d.st_dev, d.st_ino, f.st_ino, f.st_mtime_ns
 
     def _check_root(self) -> None:
-        """``StorageError`` when the pinned root is gone (see ``pin_root``)."""
-        if self._pinned and not os.path.isdir(self.root):
+        """``StorageError`` when the pinned root is gone, or is another directory now,
+        made again under its name (see ``pin_root``)."""
+        if not self._pinned:
+            return
+        now = self._identity()
+        same = now is not None and (self._root_id is None or now == self._root_id)
+        if not same:
             raise StorageError(f"{self.root}: the log's directory is gone (deleted or moved "
-                               "away while open); nothing was written")
+                               "away while open, or made again); nothing was written")
 
     def _makedirs(self, d: str) -> None:
         if d not in self._dirs:
             if self._pinned:
+                self._check_root()  # not a directory made again in its place
                 self._makedirs_below_root(d)
             else:
                 os.makedirs(d, exist_ok=True)
