@@ -296,3 +296,34 @@ def test_a_recorder_delay_out_of_range_is_refused(log_root, bad) -> None:
     log, _root = log_root
     with pytest.raises(ValidationError, match=r"max_delay_ms must be a number in \[0, "):
         log.recorder(max_delay_ms=bad)
+
+
+def test_a_log_opened_read_only_never_writes(log_root) -> None:
+    """``read_only=True`` never writes: not only transactions and recorders, but
+    checkpoints, maintenance (its lease first) and materialize refuse, storage as it was."""
+    log, root = log_root
+    with log.transaction() as tx:
+        tx.put_blob("acme", b"a body")
+        tx.append(ev.RunStarted("acme", "r1", "v1"))
+    for _ in range(3):  # segments for compact to rewrite
+        with log.transaction() as tx:
+            tx.append(ev.VerifyingEntered("acme", "r1"))
+    log.flush()
+    ro = pdm.open_log(root, create=False, read_only=True)
+    before = _files(root)
+    refusals = {
+        "write_checkpoint": lambda: ro.write_checkpoint(),
+        "the maintenance lease": lambda: pdm.compact(ro, target_rows=100),
+        "materialize": lambda: pdm.materialize(ro),
+        "break_lease": lambda: pdm.break_lease(ro),
+        "a recorder": lambda: ro.recorder(),
+    }
+    refusals["vacuum"] = lambda: pdm.vacuum(ro, grace=0, force=True)
+    for what, call in refusals.items():
+        with pytest.raises(pdm.PoimenError, match="was opened read-only"
+                           + ("" if what == "vacuum" else f": {what} refused")):
+            call()
+    with pytest.raises(pdm.PoimenError, match="was opened read-only"):
+        ro.transaction()
+    assert _files(root) == before
+    assert ro.read_events().num_rows == 5  # reading is what it is for

@@ -510,6 +510,7 @@ def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     state the winner published, or builds on top of it.
     """
     log = as_log(log, storage_options=storage_options)
+    log.check_writable("materialize")  # it writes state/
     budget = B.budget_of(memory_limit, temp_directory)
     t0 = time.perf_counter()
     for _ in range(MAX_PUBLISH_TRIES):

@@ -66,6 +66,7 @@ def break_lease(log: LogLike, *,
     live holder's next ``check()`` sees the lease gone and stops before its next
     destructive step, but a step already under way finishes."""
     log = as_log(log, storage_options=storage_options)
+    log.check_writable("break_lease")
     held = lease_holder(log)
     if held is not None:
         log.storage.delete(LEASE)

@@ -137,6 +137,7 @@ def lease(log: EventLog, ttl_s: float = LEASE_TTL_S, *, renew: bool = True,
     with the read of the stale lease; two processes breaking the same stale lease at the
     same instant is the one case this does not exclude.
     """
+    log.check_writable("the maintenance lease")  # its holders write: compact, vacuum, ...
     held = Lease(log, ttl_s, clock)
     held.acquire(renew)
     try:

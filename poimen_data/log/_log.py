@@ -616,9 +616,15 @@ class EventLog:
     # -- transactions -------------------------------------------------------------
 
     def transaction(self) -> Transaction:
-        if self.read_only:
-            raise PoimenError(f"{self.root} was opened read-only")
+        self.check_writable()
         return Transaction(self)
+
+    def check_writable(self, what: str = "") -> None:
+        """``PoimenError`` when this log was opened read-only: every writer (transactions,
+        a recorder, checkpoints, maintenance, materialize) asks first."""
+        if self.read_only:
+            raise PoimenError(f"{self.root} was opened read-only"
+                              + (f": {what} refused" if what else ""))
 
     # -- reading events -----------------------------------------------------------
 
@@ -1035,6 +1041,7 @@ class EventLog:
         still be passed back over (storage has no compare-and-swap), which costs a later
         open more manifests to read, nothing else.
         """
+        self.check_writable("write_checkpoint")
         if upto is not None:
             with self._lock:
                 if type(upto) is int and upto > self._state.seq:
@@ -1466,8 +1473,9 @@ def open_log(
 
     ``durable=False`` skips fsync on local disk: for scratch logs (benchmarks, tests that
     need thousands of commits); a power loss may then lose recent commits.
-    ``read_only=True`` never writes: no roll-forward at open, no transactions (workers
-    that only read a snapshot).
+    ``read_only=True`` never writes: no roll-forward at open, no transactions, recorders,
+    checkpoints, maintenance or materialize (``check_writable``; workers that only read a
+    snapshot).
     ``retry_deadline_s`` bounds the time one storage operation spends retrying a failing
     object store (exponential backoff with jitter); past it the operation raises
     ``StorageError`` (or the commit ``CommitConflict``).

@@ -272,8 +272,7 @@ class Recorder:
             if type(v) is not int or v < 1:
                 raise ValidationError(f"recorder: {name} must be an int >= 1, got "
                                       f"{short_repr(v)}")
-        if log.read_only:
-            raise PoimenError(f"{log.root} was opened read-only")
+        log.check_writable("a recorder")
         # The checkpoints it owes need the checkpoint's segment list, which opening left
         # unread: read it now, before any producer waits (0.65 s of Python at 200,000
         # segments, which slowed every thread while a busy recorder ran; 0.8 s of every
