@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -431,3 +432,73 @@ def test_a_log_directory_moved_away_under_a_writer_is_not_made_again(tmp_path: P
         commit("stale")
     assert [e["run_id"] for e in pdm.open_log(str(root)).read_events().to_pylist()] == [
         "fresh"]
+
+
+def test_a_pointer_naming_a_huge_seq_is_passed_over(tmp_path: Path) -> None:
+    """A pointer with a valid checksum naming seq 10**12 (bogus, or damaged before its
+    checksum was taken): opening looks at 20 candidate checkpoints, never builds a list of
+    every multiple of the interval below it (a MemoryError, or all the RAM)."""
+    from poimen_data.log._manifest import FORMAT_NAME, FORMAT_VERSION, POINTER, dumps
+
+    log = pdm.open_log(str(tmp_path / "log"), checkpoint_interval=2)
+    for i in range(3):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    log.flush()
+    for seq in (10**12, 2**63 - 1):
+        log.storage.write(POINTER, dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                                          "seq": seq}))
+        assert pdm.open_log(str(tmp_path / "log")).head == 3
+
+
+@pytest.mark.parametrize("interval", [0, -1, "abc", 1.5, None, True])
+def test_a_checkpoint_interval_in_the_config_that_is_no_count_falls_back(
+        tmp_path: Path, interval: object, caplog: pytest.LogCaptureFixture) -> None:
+    """Written by hand, or by code that did not check it (0 then divided by zero at the
+    first commit): the default is used, and said."""
+    from poimen_data.log._manifest import dumps, loads
+
+    root = tmp_path / "log"
+    pdm.open_log(str(root))
+    doc = loads((root / "_poimen.json").read_bytes(), "_poimen.json")
+    doc["checkpoint_interval"] = interval
+    (root / "_poimen.json").write_bytes(dumps(doc))
+    log = pdm.open_log(str(root))
+    assert log.checkpoint_interval == 100
+    assert "is not a count of commits; 100 is used" in caplog.text
+    for i in range(2):
+        with log.transaction() as tx:
+            tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+    assert pdm.open_log(str(root)).head == 2
+
+
+@pytest.mark.parametrize(("options", "text"), [
+    ("endpoint=x", "storage_options must be a dict of fsspec options, got str"),
+    ([("a", 1)], "storage_options must be a dict of fsspec options, got list"),
+    ({"client_kwargs": "abc"}, "cannot read s3://"),
+    ({"client_kwargs": {"endpoint_url": 5}}, "cannot read s3://"),
+])
+def test_storage_options_it_cannot_use_are_one_poimen_error(options: object,
+                                                            text: str) -> None:
+    with pytest.raises(pdm.PoimenError, match=re.escape(text)):
+        pdm.open_log("s3://poimen-test/x", options, retry_deadline_s=1)  # type: ignore
+
+
+def test_s3_refusals_are_storage_errors_and_a_missing_bucket_is_named(s3, s3_faults) -> None:
+    """403 (credentials, policy) is a ``StorageError`` naming the key, not botocore's
+    ``ClientError``; a log made in a bucket that is not there is one ``PoimenError``."""
+    with pytest.raises(pdm.PoimenError, match=r"cannot create a log at s3://no-such-bucket"):
+        pdm.open_log(f"s3://no-such-bucket/{uuid.uuid4().hex}",
+                     storage_options=s3.storage_options)
+    prefix = f"poimen-test/{uuid.uuid4().hex}"
+    log = pdm.open_log(f"s3://{prefix}", storage_options=s3.storage_options)
+    with log.transaction() as tx:
+        ref = tx.put_blob("acme", b"a body")
+        tx.append(E.RunStarted("acme", "r", "wf"))
+    log.flush()
+    s3_faults.add("GET", f"/{prefix}/blobs/acme/{ref.sha256[:2]}/{ref.sha256}", "forbidden")
+    with pytest.raises(pdm.StorageError, match=r"get_object refused: AccessDenied \(HTTP 403\)"):
+        log.blobs.get(ref)
+    s3_faults.add("GET", f"/{prefix}/_poimen.json", "forbidden")
+    with pytest.raises(pdm.StorageError, match=r"_poimen.json: get_object refused"):
+        pdm.open_log(f"s3://{prefix}", storage_options=s3.storage_options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import logging
 import numbers
 import operator
@@ -274,8 +275,13 @@ class EventLog:
         self.storage = storage
         self.config = config
         self.read_only = read_only
-        self.checkpoint_interval = int(config.get("checkpoint_interval",
-                                                  DEFAULT_CHECKPOINT_INTERVAL))
+        interval = config.get("checkpoint_interval", DEFAULT_CHECKPOINT_INTERVAL)
+        if type(interval) is not int or interval < 1:  # written by hand, or by code that
+            _logger.warning("%s: checkpoint_interval %s in _poimen.json is not a count of "
+                            "commits; %d is used", storage.url, short_repr(interval),
+                            DEFAULT_CHECKPOINT_INTERVAL)  # did not check it (0 divided)
+            interval = DEFAULT_CHECKPOINT_INTERVAL
+        self.checkpoint_interval = interval
         self._lock = threading.RLock()
         self._state = _State()
         self._tables: dict[str, pa.Table] = {}
@@ -329,8 +335,11 @@ class EventLog:
         if pointer is None or seq == 0:
             return _State()
         interval = self.checkpoint_interval
-        candidates = [seq] + list(range((seq - 1) // interval * interval, 0, -interval))
-        for s in candidates[:20]:
+        # a range, never a list: a pointer naming a huge seq (damaged, or bogus) would make
+        # one of that many entries
+        candidates = [seq, *itertools.islice(
+            range((seq - 1) // interval * interval, 0, -interval), 19)]
+        for s in candidates:
             data = self.storage.read_or_none(checkpoint_path(s))
             if data is None:
                 continue
@@ -1492,10 +1501,15 @@ def open_log(
         checkpoint_interval = int(checkpoint_interval)
     storage = open_storage(root, storage_options, durable=durable,
                            retry_deadline_s=retry_deadline_s)
+    # what the storage's client raises for a bucket that is not there, or options it
+    # could not use (found at the first request): one PoimenError naming the log
+    unusable = (OSError, ValueError, TypeError, AttributeError)
     try:
         raw = storage.read_or_none("_poimen.json")
-    except (OSError, ValueError) as exc:
-        raise PoimenError(f"cannot read {storage.url}: {exc}") from None
+    except PoimenError:
+        raise  # StorageError (an OSError too) says it already
+    except unusable as exc:
+        raise PoimenError(f"cannot read {storage.url}: {type(exc).__name__}: {exc}") from None
     if raw is None:
         if not create or read_only:
             raise NotFound(f"no poimen log at {storage.url} (open with create=True to make one)")
@@ -1505,7 +1519,13 @@ def open_log(
             "created": now_iso(),
             "checkpoint_interval": checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL,
         }
-        storage.put_if_absent("_poimen.json", dumps(config))
+        try:
+            storage.put_if_absent("_poimen.json", dumps(config))
+        except PoimenError:
+            raise
+        except unusable as exc:
+            raise PoimenError(f"cannot create a log at {storage.url}: "
+                              f"{type(exc).__name__}: {exc}") from None
         raw = storage.read("_poimen.json")
     config = loads(raw, storage.url_of("_poimen.json"))
     storage.pin_root()  # a log's directory deleted under it is never made again

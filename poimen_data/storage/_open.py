@@ -4,6 +4,7 @@ other fsspec protocol for reading only (it has no atomic put-if-absent)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import fsspec
@@ -28,16 +29,19 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
         retry = RetryPolicy(float(retry_deadline_s))
     except (TypeError, ValueError) as exc:
         raise PoimenError(f"bad retry_deadline_s: {exc}") from None
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise PoimenError(f"storage_options must be a dict of fsspec options, got "
+                          f"{type(storage_options).__name__}")
     given = dict(storage_options or {})
     opts = given
     is_s3 = url.startswith(("s3://", "s3a://"))
-    if is_s3:
-        from poimen_data.storage._s3 import s3_options
-
-        opts = s3_options(given)
     try:
+        if is_s3:
+            from poimen_data.storage._s3 import s3_options
+
+            opts = s3_options(given)
         fs, root = fsspec.core.url_to_fs(url, **opts)
-    except (ImportError, ValueError, TypeError) as exc:
+    except (ImportError, ValueError, TypeError, AttributeError) as exc:
         raise PoimenError(f"cannot open storage {url!r}: {exc}") from None
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     kw: dict[str, Any] = {"durable": durable, "retry": retry}

@@ -14,6 +14,7 @@ from botocore.exceptions import ClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3fs.core import S3_RETRYABLE_ERRORS
 
+from poimen_data.errors import StorageError
 from poimen_data.storage._base import Storage
 
 # Error codes S3 answers when a retry may pass.
@@ -89,6 +90,10 @@ class S3Storage(Storage):
                     raise FileNotFoundError(path) from None
                 if status == 412 or code == "PreconditionFailed":
                     raise FileExistsError(path) from None
+                if status in (401, 403):  # refused, not failing: no retry helps
+                    raise StorageError(f"s3://{bucket}/{key}: {op} refused: {code} "
+                                       f"(HTTP {status}); check the credentials and the "
+                                       "bucket's policy") from None
                 raise
             if op != "get_object":
                 return resp
