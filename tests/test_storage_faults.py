@@ -502,3 +502,52 @@ def test_s3_refusals_are_storage_errors_and_a_missing_bucket_is_named(s3, s3_fau
     s3_faults.add("GET", f"/{prefix}/_poimen.json", "forbidden")
     with pytest.raises(pdm.StorageError, match=r"_poimen.json: get_object refused"):
         pdm.open_log(f"s3://{prefix}", storage_options=s3.storage_options)
+
+
+@pytest.mark.parametrize("make", ["dir", "fifo"])
+def test_a_log_file_that_is_not_a_regular_file_is_named_never_waited_on(
+        tmp_path: Path, make: str) -> None:
+    """A directory or a FIFO in place of one of a log's files: reading it is a
+    ``CorruptionError`` naming it (a FIFO was opened and read for ever); a pointer or a
+    checkpoint so replaced is passed over, as a damaged one is."""
+    from poimen_data.log._manifest import POINTER, checkpoint_path
+
+    def build(name: str) -> tuple[pdm.EventLog, Path]:
+        root = tmp_path / name
+        log = pdm.open_log(str(root), checkpoint_interval=2)
+        for i in range(3):
+            with log.transaction() as tx:
+                tx.put_blob("acme", f"body {i}".encode())
+                tx.append(E.RunStarted("acme", f"r{i}", "wf"))
+        log.flush()
+        return log, root
+
+    def replace(p: Path) -> None:
+        p.unlink()
+        p.mkdir() if make == "dir" else os.mkfifo(p)
+
+    for rel in (POINTER, checkpoint_path(2)):
+        _log, root = build(f"{make}-{rel.replace('/', '-')}")
+        replace(root / rel)
+        assert pdm.open_log(str(root)).read_events().num_rows == 3
+    log, root = build(f"{make}-segment")
+    seg = next(iter(log.segments()))
+    replace(root / seg.path)
+    with pytest.raises(pdm.CorruptionError, match=r"not a regular file \((a directory|a FIFO)\)"):
+        pdm.open_log(str(root)).read_events()
+    log, root = build(f"{make}-manifest")
+    replace(root / "_log" / f"{3:020d}.json")
+    with pytest.raises(pdm.CorruptionError, match=f"{3:020d}.json: not a regular file"):
+        pdm.open_log(str(root))
+
+
+def test_vacuum_passes_over_a_directory_under_segments(tmp_path: Path) -> None:
+    log = pdm.open_log(str(tmp_path / "log"))
+    with log.transaction() as tx:
+        tx.append(E.RunStarted("acme", "r", "wf"))
+    stray = tmp_path / "log" / "segments" / "not-a-segment"
+    stray.mkdir()
+    old = time.time() - 7200
+    os.utime(stray, (old, old))
+    assert pdm.vacuum(log, grace=3600).segments_removed == 0  # it raised IsADirectoryError
+    assert stray.is_dir() and pdm.open_log(str(tmp_path / "log")).head == 1

@@ -227,7 +227,9 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
             [n for n in st.list_dir("") if ".tmp-" in n]
             + [f"_log/{n}" for n in log_names if ".tmp-" in n])
         checkpoint_files = _superseded_checkpoints(log, log_names, pointer)
-        seg_files = [f"segments/{n}" for n in st.list_dir("segments")]
+        # files right under segments/ (a directory there, made by hand, is no segment: its
+        # removal failed every vacuum)
+        seg_files = [f for f in st.walk_files("segments") if f.count("/") == 1]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
         log.refresh()

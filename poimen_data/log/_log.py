@@ -10,6 +10,7 @@ rolled forward by the next open. See README "Storage format" for the whole proto
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -78,6 +79,7 @@ from poimen_data.storage import (
     Storage,
     open_storage,
 )
+from poimen_data.storage._local import open_regular
 
 DEFAULT_CHECKPOINT_INTERVAL = 100
 # passes a checkpoint makes off the log's lock over the commits it must promote, each over
@@ -325,13 +327,14 @@ class EventLog:
 
     def _load_checkpoint(self) -> _State:
         """The newest intact checkpoint; a damaged one is skipped for the one before."""
-        pointer = self.storage.read_or_none(POINTER)
         seq = 0
-        if pointer is not None:
-            try:
+        pointer: bytes | None = None
+        try:  # damaged, or not a file: no pointer
+            pointer = self.storage.read_or_none(POINTER)
+            if pointer is not None:
                 seq = int(loads(pointer, POINTER)["seq"])
-            except (CorruptionError, KeyError, ValueError, TypeError):
-                seq = 0
+        except (CorruptionError, KeyError, ValueError, TypeError):
+            seq = 0
         if pointer is None or seq == 0:
             return _State()
         interval = self.checkpoint_interval
@@ -340,10 +343,10 @@ class EventLog:
         candidates = [seq, *itertools.islice(
             range((seq - 1) // interval * interval, 0, -interval), 19)]
         for s in candidates:
-            data = self.storage.read_or_none(checkpoint_path(s))
-            if data is None:
-                continue
             try:
+                data = self.storage.read_or_none(checkpoint_path(s))
+                if data is None:
+                    continue
                 doc = loads(data, checkpoint_path(s))
                 entries = list_entries(doc)
                 sizes = self._fan_out(self.storage.size, [e["path"] for e in entries])
@@ -1380,6 +1383,8 @@ class EventLog:
         source: Any
         native = self.storage.native_path(s.path)
         if native is not None:  # a local file: memory-mapped
+            with contextlib.suppress(FileNotFoundError):  # missing: said below
+                os.close(open_regular(native))  # a FIFO there would block the hash for ever
             if s.path not in checked:
                 self._check_streaming(s, native)
                 checked.add(s.path)

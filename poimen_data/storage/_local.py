@@ -18,12 +18,38 @@ from typing import Any
 
 import pyarrow as pa
 
-from poimen_data.errors import NotFound, StorageError
+from poimen_data.errors import CorruptionError, NotFound, StorageError
 from poimen_data.storage import _dest
 from poimen_data.storage._base import PARALLEL_HASH_BYTES, Storage
 from poimen_data.storage._writer import AtomicWriter, HashingSink
 
 _logger = logging.getLogger(__name__)
+
+
+def open_regular(path: str) -> int:
+    """A file descriptor of ``path`` opened for reading, which must be a regular file:
+    every file of a log is one. A directory or a device in its place is a
+    ``CorruptionError`` naming it, and a FIFO is one too instead of a read that waits for
+    ever (opened without blocking, then looked at)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptionError(f"{path}: not a regular file ({_kind(mode)}); a log's "
+                                  "files all are")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a file"
 
 
 #: the file a log's root holds from its making on (``pin_root`` tells a root made again
@@ -105,11 +131,11 @@ class LocalStorage(Storage):
     # -- reads ----------------------------------------------------------------------
 
     def _read(self, path: str) -> bytes:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return f.read()
 
     def _read_range(self, path: str, offset: int, size: int) -> bytes:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return os.pread(f.fileno(), size, offset)
 
     def exists(self, rel: str) -> bool:
