@@ -1383,9 +1383,9 @@ class EventLog:
         source: Any
         native = self.storage.native_path(s.path)
         if native is not None:  # a local file: memory-mapped
-            with contextlib.suppress(FileNotFoundError):  # missing: said below
-                os.close(open_regular(native))  # a FIFO there would block the hash for ever
             if s.path not in checked:
+                with contextlib.suppress(FileNotFoundError):  # missing: said below
+                    os.close(open_regular(native))  # a FIFO would block the hash for ever
                 self._check_streaming(s, native)
                 checked.add(s.path)
             self.storage.calls["read"] += 1
