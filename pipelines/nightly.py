@@ -27,7 +27,14 @@ def _verifier(spec: str) -> object:
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
         raise ValueError(f"--verifier {spec!r} must be MODULE:NAME")
-    obj: object = import_module(mod)
+    try:
+        obj: object = import_module(mod)
+    except ImportError:
+        raise  # "No module named ...", said as it is
+    except Exception as exc:  # noqa: BLE001 - the module's own fault (a SyntaxError, a
+        # RuntimeError at import): one line naming it, as poimen grade says it
+        raise ValueError(f"--verifier {spec!r}: importing {mod} raised "
+                         f"{type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj

@@ -5,6 +5,7 @@ the same on the event path, the bulk path and through a recorder."""
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime, timedelta, tzinfo
 from decimal import Decimal
 from pathlib import Path
@@ -327,3 +328,59 @@ def test_a_log_opened_read_only_never_writes(log_root) -> None:
         ro.transaction()
     assert _files(root) == before
     assert ro.read_events().num_rows == 5  # reading is what it is for
+
+
+def test_reduce_refuses_a_summary_that_is_not_text_and_refs_that_are_none(log_root) -> None:
+    """(A summary that is another body reduced in the same call is kept as the maintenance
+    tests decide: both reduced, as asked.)"""
+    log, root = log_root
+    with log.transaction() as tx:
+        a = tx.put_blob("acme", b"the first body, long")
+        b = tx.put_blob("acme", b"short")
+        tx.append(ev.AttemptDispatched("acme", "r0", 0, "s", 0, 1, prompt=a))
+        tx.append(ev.AttemptFinished("acme", "r0", 0, "s", 1, "succeeded", output=b))
+    log.flush()
+    before = _files(root)
+    with pytest.raises(ValidationError, match="not valid UTF-8 text"):
+        pdm.reduce(log, [a], lambda body: "sum \ud800")
+    with pytest.raises(ValidationError, match="refs must be an iterable of BlobRef"):
+        pdm.reduce(log, None, lambda body: b"x")  # type: ignore[arg-type]
+    assert _files(root) == before
+    assert log.blobs.get(a) == b"the first body, long" and log.blobs.get(b) == b"short"
+
+
+@pytest.mark.parametrize(("kw", "text"), [
+    ({"deadline_s": math.nan}, "deadline_s of ok@1 must be a number of seconds > 0, got nan"),
+    ({"deadline_s": -1}, "deadline_s of ok@1 must be a number of seconds > 0"),
+    ({"batch_size": "5"}, "batch_size must be an int >= 1"),
+    ({"chunk_runs": 2.5}, "chunk_runs must be an int >= 1"),
+    ({"threads": 2.5}, "threads must be an int >= 1"),
+    ({"runs": "r0"}, "runs must be a list of run ids, not one str"),
+    ({"memory_limit": "²GB"}, "memory_limit: expected a size"),
+    ({"memory_limit": "9" * 400 + "GB"}, "memory_limit: expected a size"),
+    ({"memory_limit": 4 << 20}, "from 16 MiB"),
+])
+def test_grade_refuses_options_that_are_not_what_they_say(log_root, kw, text) -> None:
+    log, root = log_root
+
+    def ok(ctx: Any) -> pdm.Verdict:
+        return pdm.Verdict(passed=True)
+
+    ok.name, ok.version = "ok", "1"  # type: ignore[attr-defined]
+    before = _files(root)
+    with pytest.raises(ValidationError, match=re.escape(text)):
+        pdm.grade(log, [ok], **kw)
+    assert _files(root) == before
+
+
+def test_an_infinite_deadline_is_none(log_root) -> None:
+    log, _root = log_root
+    with log.transaction() as tx:
+        tx.append(ev.VerifyingEntered("acme", "r0"))
+
+    def ok(ctx: Any) -> pdm.Verdict:
+        return pdm.Verdict(passed=True)
+
+    ok.name, ok.version = "ok", "1"  # type: ignore[attr-defined]
+    report = pdm.grade(log, [ok], deadline_s=math.inf)  # an OverflowError in the timer
+    assert report.runs_graded == 1 and report.runs_passed == 1

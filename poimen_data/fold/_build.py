@@ -13,12 +13,14 @@ import functools
 import hashlib
 import io
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import duckdb
@@ -38,6 +40,7 @@ from poimen_data.fold._fold import (
 )
 from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
+from poimen_data.model._limits import short_repr
 
 INDEX = "run_index"
 STATE_TABLES = (*VIEWS, INDEX)
@@ -168,6 +171,11 @@ def default_memory_limit() -> int:
     return max(64 << 20, min(3 << 29, total // 4))
 
 
+#: the smallest and largest budget a job takes (bytes): DuckDB's own buffers need more
+#: than a few MiB, and DuckDB's setting holds no more than the second
+MIN_MEMORY_LIMIT = 16 << 20
+MAX_MEMORY_LIMIT = 1 << 62
+
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10,  # as DuckDB
           "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "B": 1}  # reads them
 
@@ -180,16 +188,23 @@ def budget_of(memory_limit: int | str | None, temp_directory: str | None = None)
         value = os.environ.get(MEMORY_ENV) or None
     if value is None:
         return Budget(default_memory_limit(), temp_directory)
+    size: int | None = None
     if isinstance(value, str):
         s = value.strip().upper().replace(" ", "")
         for u, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
-            if s.endswith(u) and s[:-len(u)].replace(".", "", 1).isdigit():
-                return Budget(max(1 << 20, int(float(s[:-len(u)]) * mult)), temp_directory)
-    elif not isinstance(value, bool) and isinstance(value, int) and value >= 1 << 20:
-        return Budget(value, temp_directory)
+            number = s[:-len(u)]
+            # ASCII digits only ('²'.isdigit() is true); Decimal: no float overflow
+            if s.endswith(u) and re.fullmatch(r"[0-9]{1,30}(\.[0-9]{1,30})?", number):
+                size = int(Decimal(number) * mult)
+                break
+    elif not isinstance(value, bool) and isinstance(value, int):
+        size = value
+    if size is not None and MIN_MEMORY_LIMIT <= size <= MAX_MEMORY_LIMIT:
+        return Budget(size, temp_directory)
     where = "memory_limit" if memory_limit is not None else MEMORY_ENV
-    raise ValidationError(f"{where}: expected a size such as '2GB' or a number of bytes "
-                          f">= 1 MiB, got {value!r}")
+    raise ValidationError(f"{where}: expected a size such as '2GB' or a number of bytes, "
+                          f"from 16 MiB (DuckDB runs out of memory below) to 2**62, got "
+                          f"{short_repr(value)}")
 
 
 @contextmanager

@@ -11,6 +11,7 @@ themselves; only the driver writes, committing verdicts in batches.
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -38,6 +39,7 @@ from poimen_data.jobs._grade_types import (
 from poimen_data.log._blobs import BlobStore
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model import _events as ev
+from poimen_data.model._limits import short_repr
 
 # --- planning: which runs, which verifiers -----------------------------------------
 
@@ -207,6 +209,21 @@ class _Recorder:
 # --- the front door --------------------------------------------------------------------
 
 
+def _deadline(v: Any, verifier: str) -> float:
+    """A verifier call's deadline in seconds: a number > 0; infinity (or one past what a
+    timer takes, about 31 years) means none, NaN is refused (no comparison with it holds,
+    so it switched the deadline off)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not float(v) > 0:
+        raise ValidationError(f"grade: deadline_s of {verifier} must be a number of seconds "
+                              f"> 0, got {short_repr(v)}")
+    return min(float(v), MAX_DEADLINE_S)
+
+
+#: the longest deadline a verifier call gets (threading's timers overflow past about
+#: 2**33 s): infinity is this
+MAX_DEADLINE_S = 1e9
+
+
 def grade(
     log: LogLike,
     verifiers: Verifier | Sequence[Verifier],
@@ -262,9 +279,15 @@ def grade(
     if len(set(ids)) != len(ids):
         raise ValidationError(f"grade: two verifiers share an identity in {ids}")
     scopes = [scope_of(v) for v in vs]
-    limits = [float(getattr(v, "deadline_s", deadline_s)) for v in vs]
-    if batch_size < 1 or chunk_runs < 1:
-        raise ValidationError("grade: batch_size and chunk_runs must be >= 1")
+    limits = [_deadline(getattr(v, "deadline_s", deadline_s), name)
+              for v, name in zip(vs, ids, strict=True)]
+    for name, v in (("batch_size", batch_size), ("chunk_runs", chunk_runs),
+                    ("threads", 1 if threads is None else threads)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValidationError(f"grade: {name} must be an int >= 1, got {short_repr(v)}")
+    if isinstance(runs, str):
+        raise ValidationError(f"grade: runs must be a list of run ids, not one str "
+                              f"({short_repr(runs)})")
     n_threads = threads or min(8, (os.cpu_count() or 1) + 4)
     dask = executor is not None and is_dask_client(executor)
     if executor is not None and not dask:

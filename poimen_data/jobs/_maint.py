@@ -63,8 +63,10 @@ def break_lease(log: LogLike, *,
                 storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Remove the maintenance lease whoever holds it; returns what it said (None when
     there was none). Only for a holder known dead (a killed job keeps it for its TTL): a
-    live holder's next ``check()`` sees the lease gone and stops before its next
-    destructive step, but a step already under way finishes."""
+    live holder rereads the lease at most every TTL/10 (60 s by default) and stops at the
+    first ``check()`` after it sees the lease gone; until then it goes on, and a step
+    already under way finishes. A second job that takes the lease meanwhile runs beside
+    it for that while."""
     log = as_log(log, storage_options=storage_options)
     log.check_writable("break_lease")
     held = lease_holder(log)
@@ -97,7 +99,11 @@ def reduce(
     a pack that also holds a recommitted body waits for vacuum). ``get`` of an original
     returns None from then on."""
     log = as_log(log, storage_options=storage_options)
-    refs = list(dict.fromkeys(refs))
+    try:
+        refs = list(dict.fromkeys(refs))
+    except TypeError:
+        raise ValidationError(f"reduce: refs must be an iterable of BlobRef, got "
+                              f"{type(refs).__name__}") from None
     for r in refs:
         ev.check_ref(r, "reduce")
     with lease(log) as held:
@@ -121,7 +127,11 @@ def reduce(
                 if not isinstance(out, bytes | str):
                     raise ValidationError(f"reduce: summarize must return bytes or str, got "
                                           f"{type(out).__name__}")
-                data = out.encode() if isinstance(out, str) else out
+                try:
+                    data = out.encode() if isinstance(out, str) else out
+                except UnicodeEncodeError:
+                    raise ValidationError(f"reduce: the summary of {r.sha256[:12]}… is not "
+                                          "valid UTF-8 text (a lone surrogate)") from None
                 s = tx.put_blob(r.tenant, data)
                 if s.sha256 == r.sha256:
                     raise ValidationError(f"reduce: the summary of {r.sha256[:12]}… is the "
