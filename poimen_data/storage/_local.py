@@ -67,7 +67,7 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(self.root)
         self._dirs: set[str] = set()  # directories known to exist (blobs/<t>/<aa>, ...)
         self._pinned = False  # see pin_root
-        self._root_id: tuple[int, ...] | None = None
+        self._root_id: tuple[int | None, ...] | None = None
 
     def url_of(self, rel: str) -> str:
         return self.full(rel)
@@ -79,18 +79,22 @@ class LocalStorage(Storage):
         self._pinned = True
         self._root_id = self._identity()
 
-    def _identity(self) -> tuple[int, ...] | None:
+    def _identity(self) -> tuple[int | None, ...] | None:
         """What tells this root from one made again under its name: the device and inode
         of the directory and of the log's ``_poimen.json`` (written once, when the log is
-        made), and that file's modification time in nanoseconds (a freed inode number is
-        soon given again, to the next directory or file made); None when either is gone."""
+        made; None for a root without one), and that file's modification time in
+        nanoseconds (a freed inode number is soon given again, to the next directory or
+        file made); None when the directory is gone."""
         try:
             d = os.stat(self.root)
-            f = os.stat(os.path.join(self.root, ROOT_MARKER))
         except OSError:
             return None
         if not stat.S_ISDIR(d.st_mode):
             return None
+        try:
+            f = os.stat(os.path.join(self.root, ROOT_MARKER))
+        except OSError:
+            return d.st_dev, d.st_ino, None, None
         return d.st_dev, d.st_ino, f.st_ino, f.st_mtime_ns
 
     def _check_root(self) -> None:
@@ -99,7 +103,9 @@ class LocalStorage(Storage):
         if not self._pinned:
             return
         now = self._identity()
-        same = now is not None and (self._root_id is None or now == self._root_id)
+        was = self._root_id
+        same = now is not None and (was is None or now == was or (
+            was[2] is None and now[:2] == was[:2]))  # pinned without a marker: its inode
         if not same:
             raise StorageError(f"{self.root}: the log's directory is gone (deleted or moved "
                                "away while open, or made again); nothing was written")
