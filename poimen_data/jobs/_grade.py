@@ -39,7 +39,7 @@ from poimen_data.jobs._grade_types import (
 from poimen_data.log._blobs import BlobStore
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model import _events as ev
-from poimen_data.model._limits import short_repr
+from poimen_data.model._limits import is_count, short_repr
 
 # --- planning: which runs, which verifiers -----------------------------------------
 
@@ -283,7 +283,7 @@ def grade(
               for v, name in zip(vs, ids, strict=True)]
     for name, v in (("batch_size", batch_size), ("chunk_runs", chunk_runs),
                     ("threads", 1 if threads is None else threads)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        if not is_count(v) or v < 1:
             raise ValidationError(f"grade: {name} must be an int >= 1, got {short_repr(v)}")
     if isinstance(runs, str):
         raise ValidationError(f"grade: runs must be a list of run ids, not one str "

@@ -48,7 +48,7 @@ from poimen_data.log._manifest import (
 from poimen_data.log._staged import Packs, piece_of
 from poimen_data.log._txn import now_iso
 from poimen_data.model import _events as ev
-from poimen_data.model._limits import short_repr
+from poimen_data.model._limits import is_count, short_repr
 from poimen_data.storage import Storage
 
 _logger = logging.getLogger("poimen_data")
@@ -174,11 +174,6 @@ class VacuumReport:
     temp_files_removed: int = 0  # temp files a writer died with under _log/
     checkpoints_removed: int = 0  # checkpoint documents no reader falls back to (see vacuum)
     segment_lists_removed: int = 0  # checkpoints' segment lists no document left names
-
-
-def _count(v: Any) -> bool:
-    """An int (numpy's too), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _check_seconds(name: str, v: Any) -> None:
@@ -553,10 +548,10 @@ def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     as a stream, one group at a time: memory holds about ``target_rows`` events, whatever
     the size of the log, and the files of ``GATHER_BATCHES`` old segments at most.
     """
-    if not _count(target_rows) or target_rows < 1:
+    if not is_count(target_rows) or target_rows < 1:
         raise ValidationError(f"compact: target_rows must be an int >= 1, got "
                               f"{short_repr(target_rows)}")
-    if min_rows is not None and (not _count(min_rows) or min_rows < 0):
+    if min_rows is not None and (not is_count(min_rows) or min_rows < 0):
         raise ValidationError(f"compact: min_rows must be an int >= 0 or None, got "
                               f"{short_repr(min_rows)}")
     target_rows = int(target_rows)

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import itertools
 import logging
-import numbers
 import operator
 import os
 import random
@@ -71,7 +70,7 @@ from poimen_data.log._staged import Packs, piece_of, staged_exists, staged_file
 from poimen_data.log._txn import BlobKey, CommitInfo, Transaction, now_iso
 from poimen_data.model import _events as ev
 from poimen_data.model import conform_segment
-from poimen_data.model._limits import INT64_MAX, short_repr
+from poimen_data.model._limits import INT64_MAX, is_count, short_repr
 from poimen_data.storage import (
     DEFAULT_RETRY_DEADLINE_S,
     PIECE_POOL,
@@ -1497,9 +1496,7 @@ def open_log(
     if isinstance(root, EventLog):
         return root
     if checkpoint_interval is not None:  # an int (numpy's too), not a bool
-        if isinstance(checkpoint_interval, bool) \
-                or not isinstance(checkpoint_interval, numbers.Integral) \
-                or not 1 <= checkpoint_interval <= INT64_MAX:
+        if not is_count(checkpoint_interval) or not 1 <= checkpoint_interval <= INT64_MAX:
             raise ValidationError(f"open_log: checkpoint_interval must be an int >= 1 "
                                   f"(commits between checkpoints), got "
                                   f"{short_repr(checkpoint_interval)}")

@@ -5,6 +5,7 @@ UTF-8 text and UTC timestamps within 0001-01-01 .. 9999-12-31 (README "Value lim
 from __future__ import annotations
 
 import math
+import numbers
 from datetime import UTC, datetime
 from decimal import Context, Decimal
 from typing import Any
@@ -136,6 +137,12 @@ def ts_problem(ts: Any) -> str | None:
         return (f"must have at most microsecond precision (stored as timestamp[us]), got "
                 f"{nanos} ns past {ts.isoformat()}")
     return None
+
+
+def is_count(v: Any) -> bool:
+    """An int, numpy's too (what a query hands over), never a bool: what an argument that
+    counts something (rows, threads, commits) must be."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def short_repr(v: Any) -> str:

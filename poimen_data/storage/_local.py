@@ -113,7 +113,6 @@ class LocalStorage(Storage):
     def _makedirs(self, d: str) -> None:
         if d not in self._dirs:
             if self._pinned:
-                self._check_root()  # not a directory made again in its place
                 self._makedirs_below_root(d)
             else:
                 os.makedirs(d, exist_ok=True)
@@ -125,6 +124,8 @@ class LocalStorage(Storage):
         if d == self.root:
             self._check_root()
             return
+        if os.path.dirname(d) == self.root:  # right under it: not in a root made again
+            self._check_root()  # (deeper, a missing parent leads here first)
         try:
             os.mkdir(d)
         except FileExistsError:
