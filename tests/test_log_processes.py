@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from child_writer import PROMPT_TEMPLATE, assembled_prompt, big_output
-from conftest import Root
+from conftest import Root, snapshot_files
 
 import poimen_data as pdm
 from poimen_data import events as E
@@ -125,6 +125,36 @@ def test_reader_finds_a_published_body_before_promotion(proc_root: Root) -> None
     assert log.storage.exists(blob_path("acme", refs[0].prompt.sha256))
     assert list(log.storage.walk_files("_staging")) == []
     assert log.blobs.get(refs[1].output) == b"output of run-p " * 100
+
+
+def test_reads_of_a_root_write_nothing_not_even_a_roll_forward(proc_root: Root,
+                                                              tmp_path: Path) -> None:
+    """connect, episode, export_live and check given a root open it read-only: a commit
+    whose writer died before promoting its bodies stays as it was (its bodies are read from
+    staging); only a writer's open rolls it forward."""
+    log = proc_root.open()
+    with log.transaction() as tx:
+        tx.append(E.RunStarted("acme", "run-p", "wf-1"))
+    pdm.materialize(log)  # a state for check to check
+    res = _child(proc_root, "crash", "run-p", crash_at="manifest_published")
+    assert res.returncode == 137, res.stderr.decode()[-2000:]
+    before = snapshot_files(proc_root.open(read_only=True))
+    assert any(f.startswith("_staging/") for f in before)
+    assert not any(f.startswith("blobs/") for f in before)
+    kw = {"storage_options": proc_root.storage_options}
+    with pdm.connect(proc_root.url, source="log", **kw) as con:
+        got = con.sql("select blob_text(prompt), blob_text(output) from attempts "
+                      "where run_id = 'run-p'").fetchall()
+    assert got == [("prompt of run-p " * 100, "output of run-p " * 100)]
+    ep = pdm.episode(proc_root.url, "run-p", source="log", **kw)
+    assert [a.state for b in ep.branches for a in b.attempts] == ["failed"]
+    out = tmp_path / "live.jsonl"
+    report = pdm.export_live(proc_root.url, str(out), format="jsonl", source="log", **kw)
+    assert report.records == 1 and "output of run-p" in out.read_text()
+    assert pdm.check(proc_root.url, **kw).ok
+    assert snapshot_files(proc_root.open(read_only=True)) == before
+    proc_root.open()  # a writer's open rolls the commit forward
+    assert any(f.startswith("blobs/") for f in snapshot_files(proc_root.open(read_only=True)))
 
 
 @pytest.mark.parametrize("n_commits", [25])

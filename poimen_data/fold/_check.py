@@ -122,7 +122,7 @@ def check(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     ``executor=`` a Dask client). A concurrent materialize that replaces the state while
     it is checked makes check start again on the new pointer.
     """
-    log = as_log(log, storage_options=storage_options)
+    log = as_log(log, storage_options=storage_options, read_only=True)
     budget = B.budget_of(memory_limit, temp_directory)
     for _ in range(MAX_TRIES - 1):
         try:

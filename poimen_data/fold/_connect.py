@@ -322,7 +322,8 @@ def connect(
     spills to a temp directory beyond it. ``blob_text(ref)`` reads a body only when a
     query calls it, through ``log.blobs`` as it is at call time.
     """
-    return open_views(as_log(root_or_log, storage_options=storage_options), at_lsn,
+    return open_views(as_log(root_or_log, storage_options=storage_options,
+                             read_only=True), at_lsn,
                       source=source, memory=memory_limit)
 
 

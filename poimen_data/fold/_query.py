@@ -443,7 +443,7 @@ def episode(
     if source not in SOURCES:
         raise ValidationError(f"source must be one of {SOURCES}, got {source!r}")
     check_run_id(run_id, "episode")
-    log = as_log(log, storage_options=storage_options)
+    log = as_log(log, storage_options=storage_options, read_only=True)
     lsn = resolve_lsn(log, at_lsn)
     if source == "log":
         return fold_episode(log, run_id, at_lsn=lsn, all_branches=all_branches)

@@ -144,7 +144,7 @@ def export_live(
     a user turn alone; attempts with no prompt body are always left out
     (``skipped_no_prompt``).
     """
-    log = as_log(log, storage_options=storage_options)
+    log = as_log(log, storage_options=storage_options, read_only=True)
     if format not in FORMATS:
         raise ValidationError(f"export: format must be one of {FORMATS}, got {format!r}")
     if source not in SOURCES:

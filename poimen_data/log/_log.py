@@ -1542,7 +1542,9 @@ def as_log(log: LogLike, *, storage_options: dict[str, Any] | None = None,
            read_only: bool = False) -> EventLog:
     """The calling convention of every entry point: an open ``EventLog`` is used as it is
     (``storage_options`` must then be None); a root (path or fsspec URL) is opened, never
-    created, with ``storage_options`` (credentials, endpoint) passed to fsspec."""
+    created, with ``storage_options`` (credentials, endpoint) passed to fsspec; the
+    entry points that only read (``connect``, ``episode``, ``export_live``, ``check``)
+    open it ``read_only``, so a read never writes the log, not even a roll-forward."""
     if isinstance(log, EventLog):
         if storage_options:
             raise TypeError("storage_options apply to a root URL, not to an open EventLog")
