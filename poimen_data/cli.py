@@ -160,8 +160,9 @@ def demo(runs: Annotated[int, typer.Option(min=1, help="How many runs to record.
          batch: Annotated[int, typer.Option(min=1, help="Engine transitions per commit "
                                                     "(1 = one commit each).")] = 16,
          root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
-    """Record a realistic synthetic workload, then materialize, check, grade and export,
-    and print what it did and where to look. Replaces the root if it holds a log."""
+    """Record a realistic synthetic workload, then run the nightly chain on it (compact,
+    grade, materialize, check, export) and print what it did and where to look. Replaces
+    the root if it holds a log."""
     from poimen_data.workload import demo as demo_mod
 
     try:

@@ -55,6 +55,9 @@ def test_demo_records_and_reports(demo_root) -> None:
     assert con.sql("select count(*) from runs").fetchall() == [(RUNS,)]
     assert con.sql("select count(*) from verdicts").fetchall()[0][0] > 0
     assert os.path.getsize(f"{root}/exports/live.jsonl") > 0
+    # the whole nightly chain ran, compact first: its commits' small segments are merged
+    assert sum(m.kind == "compact" for m in log.manifests()) == 1
+    assert len(log.segments()) < log.head_seq // 2
 
 
 def test_demo_twice_replaces_its_root_and_never_a_foreign_dir(tmp_path: Path) -> None:

@@ -134,7 +134,7 @@ def run(root: str, *, runs: int = 300, seed: int = 0, batch: int = 16,
         def on_stage(r: st.StageResult) -> None:
             if status is not None:
                 status.update(f"{r.name}: {r.status}; next stage...")
-        results = st.run_chain(log, ("grade", "materialize", "check", "export"),
+        results = st.run_chain(log, st.STAGES,
                                out_dir=f"{root.rstrip('/')}/exports", on_stage=on_stage)
     total = time.perf_counter() - t0
     files = _files(log)
