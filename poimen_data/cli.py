@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, cast
 
 import typer
 from rich.console import Console
@@ -284,7 +284,7 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
     if explain is not None:
         out.print(_view_sql(explain), highlight=False, markup=False)
         return
-    log = open_root(root)
+    log = open_root(root, read_only=True)
     con = pdm.connect(log, at_lsn=at_lsn, source=source,  # type: ignore[arg-type]
                       memory_limit=memory_limit)
     if not allow_external:
@@ -322,7 +322,7 @@ def show(run: Annotated[str, typer.Argument(help="The run_id.")],
     from poimen_data.model._events import check_run_id
 
     check_run_id(run, "show")
-    log = open_root(root)
+    log = open_root(root, read_only=True)
     lsn = resolve_lsn(log, at_lsn)
     # the run's own rows, read as episode() reads them (run and attempt verdicts too)
     tables = run_tables(log, run, at_lsn=lsn, names=(*EPISODE_TABLES, "verdicts"))
@@ -394,7 +394,7 @@ def materialize(full: Annotated[bool, typer.Option(
 @command("check", "poimen check --root ./poimen-data")
 def check(root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Prove that the materialized state equals a cold re-fold of the log; exit 1 if not."""
-    log = open_root(root)
+    log = open_root(root, read_only=True)
     r = st.check(log)
     if as_json:
         emit_json(r)
@@ -502,12 +502,13 @@ def export(fmt: Annotated[str, typer.Option("--format",
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     check_url(dest, "--out")
-    log = open_root(root)
+    log = open_root(root, read_only=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("runs, {task.fields[written]} written"), console=err,
                   transient=True, disable=as_json or not err.is_terminal) as p:
         task = p.add_task("exporting", total=None, written=decimal(0))
-        r = pdm.export_live(log, dest, format=fmt, source=source, at_lsn=at_lsn, runs=run or None,
+        r = pdm.export_live(log, dest, format=cast(pdm.ExportFormat, fmt),  # export_live checks
+               source=cast(pdm.Source, source), at_lsn=at_lsn, runs=run or None,
                only_succeeded=only_succeeded, keep_unanswered=keep_unanswered,
                progress=lambda pr: p.update(task, completed=pr.runs_done, total=pr.runs_total,
                                             written=decimal(pr.bytes)))
@@ -524,7 +525,8 @@ def export(fmt: Annotated[str, typer.Option("--format",
 
 
 import_app = typer.Typer(name="import", no_args_is_help=True,
-                         help="Record trajectories from other tools as runs.")
+                         help="Record trajectories from other tools as runs.",
+                         epilog="[bold]Example:[/]  poimen import atif session.json")
 app.add_typer(import_app)
 
 
@@ -657,7 +659,7 @@ def reduce(larger_than: Annotated[int | None, typer.Option(
 def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits.")] = 30,
          root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """List commits: seq, LSN range, kind, events, bytes written, time."""
-    log = open_root(root)
+    log = open_root(root, read_only=True)
     rows = []
     for m in log.manifests():
         seg = sum(s.size for s in m.segments)
@@ -687,7 +689,7 @@ def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits
 
 
 @command("bench", "poimen bench --quick --json bench.json")
-def bench(quick: Annotated[bool, typer.Option(help="Small sizes: under a minute.")] = False,
+def bench(quick: Annotated[bool, typer.Option(help="Small sizes: about two minutes.")] = False,
           json_path: Annotated[str | None, typer.Option("--json", help="Write JSON here.")]
           = None,
           only: Annotated[str | None, typer.Option(help="Run one scenario.")] = None,

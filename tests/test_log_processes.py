@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 from child_writer import PROMPT_TEMPLATE, assembled_prompt, big_output
 from conftest import Root, snapshot_files
+from typer.testing import CliRunner
 
 import poimen_data as pdm
+from poimen_data import cli
 from poimen_data import events as E
 from poimen_data.log._manifest import blob_path
 
@@ -152,6 +154,12 @@ def test_reads_of_a_root_write_nothing_not_even_a_roll_forward(proc_root: Root,
     report = pdm.export_live(proc_root.url, str(out), format="jsonl", source="log", **kw)
     assert report.records == 1 and "output of run-p" in out.read_text()
     assert pdm.check(proc_root.url, **kw).ok
+    if proc_root.backend == "local":  # the CLI's reading commands too
+        for args in (["sql", "select count(*) from attempts"], ["show", "run-p"], ["check"],
+                     ["export", "--out", str(tmp_path / "cli.jsonl")], ["log"]):
+            r = CliRunner().invoke(cli.app, [*args, "--root", proc_root.url],
+                                   catch_exceptions=False)
+            assert r.exit_code == 0, (args, r.output)
     assert snapshot_files(proc_root.open(read_only=True)) == before
     proc_root.open()  # a writer's open rolls the commit forward
     assert any(f.startswith("blobs/") for f in snapshot_files(proc_root.open(read_only=True)))
