@@ -253,7 +253,7 @@ def test_memory_limit_from_argument_environment_or_default(tmp_path, monkeypatch
     with pdm.connect(log, memory_limit=64 << 20) as con:
         assert _setting(con, "memory_limit") == "64.0 MiB"
     monkeypatch.setenv(_fold.MEMORY_ENV, "lots")
-    with pytest.raises(pdm.ValidationError, match="POIMEN_MEMORY_LIMIT: not a memory size"):
+    with pytest.raises(pdm.ValidationError, match="POIMEN_MEMORY_LIMIT: expected a size"):
         pdm.connect(log)
     with pytest.raises(pdm.ValidationError, match="memory_limit"):
         pdm.connect(log, memory_limit=100)
@@ -365,4 +365,4 @@ def test_poimen_sql_source_and_memory_options(tmp_path) -> None:
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert f"covers lsn {lsn}, not lsn {lsn + 1}" in r.stderr
     r = sql("--memory-limit", "lots", q)
-    assert r.exit_code != 0 and "memory_limit: not a memory size" in r.stderr
+    assert r.exit_code != 0 and "memory_limit: expected a size such as '2GB'" in r.stderr

@@ -373,6 +373,24 @@ def test_grade_refuses_options_that_are_not_what_they_say(log_root, kw, text) ->
     assert _files(root) == before
 
 
+@pytest.mark.parametrize("value", ["8MB", 4 << 20, "lots", "²GB", "80%", True])
+def test_every_entry_point_takes_a_memory_limit_by_one_rule(log_root, tmp_path, value) -> None:
+    """connect took any string DuckDB took (8MB: an OutOfMemoryException at the first
+    query) and ints from 1 MiB; the jobs refused both. One rule now, one message."""
+    log, root = log_root
+    before = _files(root)
+    calls = [lambda: pdm.connect(log, memory_limit=value),
+             lambda: pdm.materialize(log, memory_limit=value),
+             lambda: pdm.export_live(log, str(tmp_path / "x.jsonl"), memory_limit=value)]
+    for call in calls:
+        with pytest.raises(ValidationError, match=r"^memory_limit: expected a size such as "
+                                                  r"'2GB' or a number of bytes, from 16 MiB"):
+            call()
+    assert _files(root) == before
+    with pdm.connect(log, memory_limit="16MiB") as con:  # the least taken, as DuckDB reads it
+        assert con.sql("select current_setting('memory_limit')").fetchall() == [("16.0 MiB",)]
+
+
 def test_an_infinite_deadline_is_none(log_root) -> None:
     log, _root = log_root
     with log.transaction() as tx:

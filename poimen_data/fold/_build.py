@@ -13,14 +13,12 @@ import functools
 import hashlib
 import io
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
 import duckdb
@@ -28,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from poimen_data.errors import ValidationError
 from poimen_data.fold._fold import (
     MEMORY_ENV,
     PER_RUN_TABLES,
@@ -37,10 +34,10 @@ from poimen_data.fold._fold import (
     VIEWS,
     create_fold_tables,
     fold_tables,
+    memory_bytes,
 )
 from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
-from poimen_data.model._limits import short_repr
 
 INDEX = "run_index"
 STATE_TABLES = (*VIEWS, INDEX)
@@ -171,15 +168,6 @@ def default_memory_limit() -> int:
     return max(64 << 20, min(3 << 29, total // 4))
 
 
-#: the smallest and largest budget a job takes (bytes): DuckDB's own buffers need more
-#: than a few MiB, and DuckDB's setting holds no more than the second
-MIN_MEMORY_LIMIT = 16 << 20
-MAX_MEMORY_LIMIT = 1 << 62
-
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10,  # as DuckDB
-          "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "B": 1}  # reads them
-
-
 def budget_of(memory_limit: int | str | None, temp_directory: str | None = None) -> Budget:
     """The budget of a job: ``memory_limit`` (bytes, or a size such as ``"2GB"``), else
     ``$POIMEN_MEMORY_LIMIT``, else ``default_memory_limit()``."""
@@ -188,23 +176,8 @@ def budget_of(memory_limit: int | str | None, temp_directory: str | None = None)
         value = os.environ.get(MEMORY_ENV) or None
     if value is None:
         return Budget(default_memory_limit(), temp_directory)
-    size: int | None = None
-    if isinstance(value, str):
-        s = value.strip().upper().replace(" ", "")
-        for u, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
-            number = s[:-len(u)]
-            # ASCII digits only ('²'.isdigit() is true); Decimal: no float overflow
-            if s.endswith(u) and re.fullmatch(r"[0-9]{1,30}(\.[0-9]{1,30})?", number):
-                size = int(Decimal(number) * mult)
-                break
-    elif not isinstance(value, bool) and isinstance(value, int):
-        size = value
-    if size is not None and MIN_MEMORY_LIMIT <= size <= MAX_MEMORY_LIMIT:
-        return Budget(size, temp_directory)
     where = "memory_limit" if memory_limit is not None else MEMORY_ENV
-    raise ValidationError(f"{where}: expected a size such as '2GB' or a number of bytes, "
-                          f"from 16 MiB (DuckDB runs out of memory below) to 2**62, got "
-                          f"{short_repr(value)}")
+    return Budget(memory_bytes(value, where), temp_directory)
 
 
 @contextmanager

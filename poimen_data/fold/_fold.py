@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import uuid
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any, Literal, get_args
 
 import duckdb
@@ -25,6 +27,7 @@ import pyarrow as pa
 from poimen_data.errors import ValidationError
 from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
+from poimen_data.model._limits import short_repr
 
 #: Run-level kinds and the run state each one leaves behind (docs/DESIGN.md, "Domain").
 RUN_LEVEL_KINDS = ("run_started", "verifying_entered", "branch_forked", "run_finished",
@@ -299,16 +302,46 @@ def default_memory_limit() -> str:
     return f"{max(64, total // 4 >> 20)}MiB"
 
 
+#: the smallest and largest memory limit taken (bytes): DuckDB's own buffers need more
+#: than a few MiB, and DuckDB's setting holds no more than the second
+MIN_MEMORY_LIMIT = 16 << 20
+MAX_MEMORY_LIMIT = 1 << 62
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10,  # as DuckDB
+          "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "B": 1}  # reads them
+
+
+def memory_bytes(value: Any, where: str = "memory_limit") -> int:
+    """A memory limit in bytes: an int, or a size such as ``"2GB"`` or ``"512 MiB"`` (the
+    units DuckDB reads), from ``MIN_MEMORY_LIMIT`` to ``MAX_MEMORY_LIMIT``; anything else
+    is a ``ValidationError`` naming ``where``. One rule for queries and jobs alike."""
+    size: int | None = None
+    if isinstance(value, str):
+        s = value.strip().upper().replace(" ", "")
+        for u, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
+            number = s[:-len(u)]
+            # ASCII digits only ('²'.isdigit() is true); Decimal: no float overflow
+            if s.endswith(u) and re.fullmatch(r"[0-9]{1,30}(\.[0-9]{1,30})?", number):
+                size = int(Decimal(number) * mult)
+                break
+    elif not isinstance(value, bool) and isinstance(value, int):
+        size = value
+    if size is not None and MIN_MEMORY_LIMIT <= size <= MAX_MEMORY_LIMIT:
+        return size
+    raise ValidationError(f"{where}: expected a size such as '2GB' or a number of bytes, "
+                          f"from 16 MiB (DuckDB runs out of memory below) to 2**62, got "
+                          f"{short_repr(value)}")
+
+
 def memory_limit(value: int | str | None = None) -> str:
-    """DuckDB's memory limit: ``value`` (bytes, or a DuckDB size such as ``"2GB"``), else
-    ``$POIMEN_MEMORY_LIMIT``, else a quarter of the machine's memory."""
+    """DuckDB's memory limit: ``value`` (``memory_bytes``), else ``$POIMEN_MEMORY_LIMIT``,
+    else a quarter of the machine's memory."""
+    where = "memory_limit"
     if value is None:
-        value = os.environ.get(MEMORY_ENV) or default_memory_limit()
-    if isinstance(value, bool) or not isinstance(value, int | str) or \
-            (isinstance(value, int) and value < 1 << 20):
-        raise ValidationError(f"memory_limit must be a size such as '2GB' or a number of "
-                              f"bytes >= 1 MiB, got {value!r}")
-    return f"{value >> 10}KiB" if isinstance(value, int) else value.strip()
+        value, where = os.environ.get(MEMORY_ENV) or None, MEMORY_ENV
+        if value is None:
+            return default_memory_limit()
+    return f"{memory_bytes(value, where) >> 10}KiB"
 
 
 def new_connection(events: pa.Table | None = None, *, progress: bool = False,
