@@ -4,7 +4,8 @@ Record agent-workflow runs as an append-only event log (Arrow IPC segments, a
 content-addressed blob store, manifest commits on any fsspec storage), fold it into
 episode tables with DuckDB, grade frozen snapshots, and export training data.
 The layers, bottom up: ``model`` → ``storage`` → ``log`` → ``fold`` → ``jobs`` →
-``workload``/``bench`` → this face (``docs/DESIGN.md``, "Layers").
+``workload`` → this face and ``bench``, which may import everything
+(``docs/DESIGN.md``, "Layers").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from poimen_data.fold import (
     CheckReport,
     EpisodeView,
     MaterializeReport,
+    Source,
     check,
     connect,
     episode,
@@ -35,6 +37,7 @@ from poimen_data.fold import (
 )
 from poimen_data.jobs import (
     CompactReport,
+    ExportFormat,
     ExportProgress,
     ExportReport,
     GradeReport,
@@ -76,6 +79,7 @@ __all__ = [
     "CorruptionError",
     "EpisodeView",
     "EventLog",
+    "ExportFormat",
     "ExportProgress",
     "ExportReport",
     "FsBlobStore",
@@ -87,6 +91,7 @@ __all__ = [
     "PoimenError",
     "Recorder",
     "ReduceReport",
+    "Source",
     "StateChanged",
     "StorageError",
     "TenantMismatch",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from poimen_data.fold._check import CheckReport, check
 from poimen_data.fold._connect import connect
-from poimen_data.fold._fold import FOLD_VERSION, VIEW_SQL, VIEWS, view_sql
+from poimen_data.fold._fold import FOLD_VERSION, VIEW_SQL, VIEWS, Source, view_sql
 from poimen_data.fold._query import AttemptView, BranchView, EpisodeView, episode
 from poimen_data.fold._state import MaterializeReport, materialize
 
@@ -21,6 +21,7 @@ __all__ = [
     "CheckReport",
     "EpisodeView",
     "MaterializeReport",
+    "Source",
     "check",
     "connect",
     "episode",

@@ -112,15 +112,17 @@ def _check_once(log: EventLog, budget: B.Budget, executor: Any,
 
 
 def check(log: LogLike, *, storage_options: dict[str, Any] | None = None,
-          episodes: bool = True, memory_limit: int | str | None = None,
+          memory_limit: int | str | None = None,
           temp_directory: str | None = None, executor: Any = None,
           passes: int | None = None) -> CheckReport:
     """Re-fold the log at the state's LSN, cold, and compare every file by sha256 (equal
-    files give equal episodes: ``episodes`` counts them), naming the first differing row.
+    files give equal episodes: the report's ``episodes`` counts them), naming the first
+    differing row.
 
     The re-fold is bounded like ``materialize`` (``memory_limit``, ``temp_directory``,
-    ``executor=`` a Dask client). A concurrent materialize that replaces the state while
-    it is checked makes check start again on the new pointer.
+    ``executor=`` a Dask client, ``passes`` to force the number of bucket groups). A
+    concurrent materialize that replaces the state while it is checked makes check start
+    again on the new pointer.
     """
     log = as_log(log, storage_options=storage_options, read_only=True)
     budget = B.budget_of(memory_limit, temp_directory)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import CorruptionError, NotFound, StateChanged, ValidationError
-from poimen_data.fold._fold import SOURCES, fold_tables, run_events
+from poimen_data.fold._fold import SOURCES, Source, fold_tables, run_events
 from poimen_data.fold._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import (
@@ -431,7 +431,7 @@ def episode(
     storage_options: dict[str, Any] | None = None,
     all_branches: bool = False,
     at_lsn: int | None = None,
-    source: str = "auto",
+    source: Source = "auto",
 ) -> EpisodeView:
     """The episode of ``run_id`` as the log stood at ``at_lsn`` (default: the head).
 

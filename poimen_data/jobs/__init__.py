@@ -8,7 +8,7 @@ Imports every layer below it (``model``, ``storage``, ``log``, ``fold``).
 from __future__ import annotations
 
 from poimen_data.jobs._atif import ImportReport, import_atif
-from poimen_data.jobs._export import ExportProgress, ExportReport, export_live
+from poimen_data.jobs._export import ExportFormat, ExportProgress, ExportReport, export_live
 from poimen_data.jobs._grade import grade
 from poimen_data.jobs._grade_types import (
     GradeFailure,
@@ -29,6 +29,7 @@ from poimen_data.jobs._maint import (
 
 __all__ = [
     "CompactReport",
+    "ExportFormat",
     "ExportProgress",
     "ExportReport",
     "GradeFailure",

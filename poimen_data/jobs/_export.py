@@ -60,14 +60,14 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
 from poimen_data.fold._build import budget_of
-from poimen_data.fold._fold import SOURCES
+from poimen_data.fold._fold import SOURCES, Source
 from poimen_data.jobs._atif import AtifWriter
 from poimen_data.jobs._export_formats import SLOTS, WRITERS, Bodies, Sink
 from poimen_data.jobs._export_rows import Options, export_rows, wanted_runs
@@ -76,7 +76,10 @@ from poimen_data.model._events import BlobRef
 
 _WRITERS: dict[str, Callable[..., Any]] = {**WRITERS, "atif": AtifWriter}
 _SLOTS: dict[str, tuple[str, ...]] = {**SLOTS, "atif": AtifWriter.slots}
-FORMATS = tuple(_WRITERS)
+#: the export formats, a ``Literal`` for type checkers; ``FORMATS`` at run time
+ExportFormat = Literal["jsonl", "parquet", "pairs", "atif"]
+FORMATS: tuple[str, ...] = get_args(ExportFormat)
+assert set(FORMATS) == set(_WRITERS), "every format has a writer"
 DEFAULT_BATCH_BYTES = 64 << 20
 MAX_BATCH_ROWS = 8192
 
@@ -118,8 +121,8 @@ def export_live(
     *,
     storage_options: dict[str, Any] | None = None,
     dest_options: dict[str, Any] | None = None,
-    format: str = "jsonl",
-    source: str = "auto",
+    format: ExportFormat = "jsonl",
+    source: Source = "auto",
     at_lsn: int | None = None,
     runs: Iterable[str] | None = None,
     only_succeeded: bool = False,

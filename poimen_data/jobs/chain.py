@@ -24,7 +24,7 @@ from rich.text import Text
 
 from poimen_data.fold._check import check as _check
 from poimen_data.fold._state import materialize as _materialize
-from poimen_data.jobs._export import export_live
+from poimen_data.jobs._export import ExportFormat, export_live
 from poimen_data.jobs._grade import grade as _grade
 from poimen_data.jobs._maint import compact as _compact
 
@@ -133,7 +133,7 @@ def default_verifiers() -> list[Any]:
                                            name="resolved")]
 
 
-def export(log: Any, out_dir: str, formats: Sequence[str] = ("jsonl", "parquet"), *,
+def export(log: Any, out_dir: str, formats: Sequence[ExportFormat] = ("jsonl", "parquet"), *,
            progress: Callable[[Any], None] | None = None) -> StageResult:
     def body() -> tuple[str, Any]:
         import fsspec.core

@@ -21,9 +21,17 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class BlobStore(Protocol):
-    def get(self, ref: BlobRef) -> bytes | None: ...
+    """What reads and stores bodies by ``BlobRef`` (``log.blobs``; a verifier's
+    ``ctx.blobs``; a test's counting wrapper)."""
 
-    def put(self, tenant: str, data: bytes) -> BlobRef: ...
+    def get(self, ref: BlobRef) -> bytes | None:
+        """The body's bytes, checked against its sha256; None once it was reduced."""
+        ...
+
+    def put(self, tenant: str, data: bytes) -> BlobRef:
+        """Store a body of ``tenant`` and return its ref (content-addressed: the same
+        bytes give the same ref)."""
+        ...
 
 
 class FsBlobStore:
@@ -42,6 +50,9 @@ class FsBlobStore:
         return ref
 
     def get(self, ref: BlobRef) -> bytes | None:
+        """The body's bytes, verified against its sha256, wherever it is (``blobs/``, or
+        staging until its commit is promoted); None once it was reduced. ``NotFound``
+        when no such body was committed, or a committed one is gone."""
         check_ref(ref, "get")
         key = (ref.tenant, ref.sha256)
         home = blob_path(ref.tenant, ref.sha256)

@@ -627,6 +627,8 @@ class EventLog:
     # -- transactions -------------------------------------------------------------
 
     def transaction(self) -> Transaction:
+        """A new transaction: events and bodies staged, visible all at once at ``commit``
+        (or leaving its ``with`` block); nothing of it if it aborts."""
         self.check_writable()
         return Transaction(self)
 

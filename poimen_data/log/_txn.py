@@ -242,6 +242,8 @@ class Transaction:
     # -- events -------------------------------------------------------------------
 
     def append(self, event: ev.Event) -> None:
+        """Append one event, validated now (``ValidationError``: the transaction is then
+        rejected whole at commit); its ``ts`` is stamped now when None."""
         if self._done:
             self._check_open()
         try:
@@ -362,6 +364,8 @@ class Transaction:
                 raise self._failed
 
     def commit(self) -> CommitInfo:
+        """Publish this transaction's events and bodies in one manifest (README,
+        "Committing"), durable first; its ``CommitInfo`` (seq and LSN range)."""
         self._check_open()
         if self._failed is not None:
             self.abort()
