@@ -132,8 +132,14 @@ def export_live(
     progress: Callable[[ExportProgress], None] | None = None,
     memory_limit: int | str | None = None,
 ) -> ExportReport:
-    """Export the live trajectory of each run (or of ``runs``) to ``dest`` (any fsspec URL).
+    """Export the live trajectory of each run (or of ``runs``) to ``dest`` (any fsspec URL,
+    opened with ``dest_options``) as ``format``: ``"jsonl"`` (chat messages),
+    ``"parquet"``, ``"pairs"`` (prompt/completion) or ``"atif"`` (README, "Export").
 
+    ``at_lsn`` exports the log as it stood at that LSN (default: the head);
+    ``only_succeeded`` keeps only the ``succeeded`` attempts; ``progress`` is called
+    with an ``ExportProgress`` as runs are written; ``memory_limit`` caps the fold's DuckDB
+    (as ``connect``'s does).
     ``batch_size`` is the body budget of one batch in bytes (a batch holds at least one
     row, so one body larger than it is still exported); files are byte-identical for the
     same log, LSN and options. ``source`` picks where the rows come from: ``"state"``

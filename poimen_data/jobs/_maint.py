@@ -540,7 +540,8 @@ def _gathered(batches: Iterable[pa.RecordBatch]) -> pa.Table:
 
 def compact(log: LogLike, *, storage_options: dict[str, Any] | None = None,
             target_rows: int = COMPACT_TARGET_ROWS, min_rows: int | None = None) -> CompactReport:
-    """Rewrite runs of small consecutive segments into segments of about ``target_rows``.
+    """Rewrite runs of small consecutive segments (under ``min_rows`` events each; default
+    ``target_rows // 2``) into segments of about ``target_rows``.
 
     Events, LSNs and seqs are unchanged (compacted segments store ``lsn`` and ``seq``);
     one manifest of kind ``compact`` adds the new files and supersedes the old ones, so
