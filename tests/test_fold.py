@@ -25,6 +25,7 @@ from poimen_data.testing import CountingBlobStore as CountingBlobs
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 T = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+T2 = datetime(2026, 3, 2, 12, 0, tzinfo=UTC)
 REF = "STRUCT(tenant VARCHAR, sha256 VARCHAR, size BIGINT)"
 USAGE = ("STRUCT(input_tokens BIGINT, output_tokens BIGINT, cache_read_input_tokens BIGINT, "
          "reasoning_tokens BIGINT, cost_usd DECIMAL(18,9), latency_ms DOUBLE)")
@@ -192,17 +193,72 @@ def test_an_event_of_another_tenant_than_its_run_s_is_listed(log) -> None:
            ev.AttemptFinished("globex", "r", 0, "s", 2, "failed", ts=T),    # 4
            ev.RunStarted("globex", "g", "wf", ts=T),                        # 5 its own run
            ev.AttemptDispatched("globex", "g", 0, "s", 0, 1, ts=T))         # 6
+    commit(log, ev.RunStarted("globex", "r", "wf-other", ts=T2))            # 7 not a takeover
     want = [(3, "attempt_dispatched", "r", "event of another tenant than the run's"),
-            (4, "attempt_finished", "r", "event of another tenant than the run's")]
+            (4, "attempt_finished", "r", "event of another tenant than the run's"),
+            (7, "run_started", "r", "event of another tenant than the run's"),
+            (7, "run_started", "r", "run started twice")]
     query = "select lsn, kind, run_id, reason from anomalies order by lsn, reason"
+    runs = "select run_id, tenant, workflow_version, started_at, n_attempts from runs order by 1"
     with pdm.connect(log, source="log") as con:
         assert rows(con, query) == want
-        assert rows(con, "select run_id, tenant, n_attempts from runs order by 1") == [
-            ("g", "globex", 1), ("r", "acme", 2)]
+        # the run stays the tenant's that started it: a later run_started takes nothing over
+        assert rows(con, runs) == [("g", "globex", "wf", T, 1), ("r", "acme", "wf", T, 2)]
+        assert rows(con, "select distinct workflow_version from attempts") == [("wf",)]
+    assert pdm.episode(log, "r", source="log").tenant == "acme"
     pdm.materialize(log)
     with pdm.connect(log) as con:
         assert con.execute("select getvariable('poimen_source')").fetchall() == [("state",)]
         assert rows(con, query) == want
+        assert rows(con, runs) == [("g", "globex", "wf", T, 1), ("r", "acme", "wf", T, 2)]
+
+
+def test_transitions_the_state_machine_forbids_are_listed(log) -> None:
+    """running -> verifying -> succeeded | failed; cancelled from running or verifying; a
+    rewind from running or verifying; an attempt ends once. Every other transition is kept,
+    folded (a run's state is its last run-level event's, an attempt's its last event's)
+    and listed; the state serves the same rows."""
+    commit(log,
+           ev.RunStarted("acme", "a", "wf", ts=T),                          # 1
+           ev.RunFinished("acme", "a", "succeeded", ts=T),                  # 2 not verifying
+           ev.RunCancelled("acme", "a", ts=T),                              # 3 after finishing
+           ev.RunStarted("acme", "b", "wf", ts=T),                          # 4
+           ev.VerifyingEntered("acme", "b", ts=T),                          # 5
+           ev.VerifyingEntered("acme", "b", ts=T),                          # 6 while verifying
+           ev.RunFinished("acme", "b", "failed", ts=T),                     # 7
+           ev.BranchForked("acme", "b", 1, 0, 0, ts=T),                     # 8 after finishing
+           ev.RunFinished("acme", "b", "failed", ts=T),                     # 9 not verifying
+           ev.AttemptDispatched("acme", "b", 1, "s", 0, 1, ts=T),           # 10
+           ev.AttemptFinished("acme", "b", 1, "s", 1, "failed", ts=T),      # 11
+           ev.AttemptFinished("acme", "b", 1, "s", 1, "succeeded", ts=T),   # 12 ended
+           ev.AttemptRecovered("acme", "b", 1, "s", 1, "timed_out", ts=T),  # 13 ended
+           ev.RunStarted("acme", "c", "wf", ts=T),                          # 14 well formed:
+           ev.VerifyingEntered("acme", "c", ts=T),                          # 15 nothing listed
+           ev.BranchForked("acme", "c", 1, 0, 0, ts=T),                     # 16
+           ev.AttemptDispatched("acme", "c", 1, "s", 0, 1, ts=T),           # 17
+           ev.AttemptRecovered("acme", "c", 1, "s", 1, "failed", ts=T),     # 18
+           ev.VerifyingEntered("acme", "c", ts=T),                          # 19
+           ev.RunFinished("acme", "c", "succeeded", ts=T))                  # 20
+    want = [(2, "run_finished", "a", "run finished without verifying"),
+            (3, "run_cancelled", "a", "run event after the run finished"),
+            (6, "verifying_entered", "b", "verifying entered while verifying"),
+            (8, "branch_forked", "b", "run event after the run finished"),
+            (9, "run_finished", "b", "run finished without verifying"),
+            (12, "attempt_finished", "b", "attempt event after the attempt ended"),
+            (13, "attempt_recovered", "b", "attempt event after the attempt ended")]
+    query = "select lsn, kind, run_id, reason from anomalies order by lsn, reason"
+    folded = [("a", "cancelled"), ("b", "failed"), ("c", "succeeded")]
+    with pdm.connect(log, source="log") as con:
+        assert rows(con, query) == want
+        assert rows(con, "select run_id, state from runs order by 1") == folded
+        assert rows(con, "select state, recovered from attempts where run_id = 'b'") == [
+            ("timed_out", True)]
+    pdm.materialize(log)
+    assert pdm.check(log).ok
+    with pdm.connect(log) as con:
+        assert con.execute("select getvariable('poimen_source')").fetchall() == [("state",)]
+        assert rows(con, query) == want
+        assert rows(con, "select run_id, state from runs order by 1") == folded
 
 
 def test_every_forbidden_event_is_kept_folded_and_listed(log) -> None:
@@ -230,10 +286,10 @@ def test_every_forbidden_event_is_kept_folded_and_listed(log) -> None:
             (9, "branch_forked", "r", "fork of an unknown branch"),
             (10, "attempt_dispatched", "ghost", "event of an unknown run"),
         ]
-        # kept and folded by the same rules
+        # kept and folded by the same rules (the run's version is its first run_started's)
         assert rows(con, "select run_id, workflow_version, state, live_branch, n_attempts "
                          "from runs") == [("ghost", None, "verifying", 0, 1),
-                                          ("r", "wf-again", "running", 2, 3)]
+                                          ("r", "wf", "running", 2, 3)]
         assert rows(con, "select branch_id, step_id, state, first_lsn, last_lsn "
                          "from attempts where run_id = 'r'") == [
             (0, "s", "dispatched", 4, 6), (0, "u", "failed", 7, 7),

@@ -50,7 +50,8 @@ TABLE_KEYS: dict[str, tuple[str, ...]] = {
 _ATTEMPTS = """
 -- One row per (run, branch, step, attempt), whatever its outcome. Its state is that of
 -- its last event by LSN; every other field keeps its last non-null value (arg_max skips
--- NULL arguments). workflow_version: the dispatch's when given, else the run's.
+-- NULL arguments). workflow_version: the dispatch's when given, else the run's (from the
+-- run_started that started it: the first).
 WITH folded AS (
     SELECT run_id, branch_id, step_id, attempt_no,
            arg_max(tenant, lsn)                                   AS tenant,
@@ -71,7 +72,7 @@ WITH folded AS (
     WHERE kind IN ('attempt_dispatched', 'attempt_finished', 'attempt_recovered')
     GROUP BY run_id, branch_id, step_id, attempt_no
 ), run_version AS (
-    SELECT run_id, arg_max(workflow_version, lsn) AS workflow_version
+    SELECT run_id, arg_min(workflow_version, lsn) AS workflow_version
     FROM events WHERE kind = 'run_started' GROUP BY run_id
 )
 SELECT a.run_id, a.tenant, a.branch_id, a.step_id, a.step_index, a.attempt_no, a.state,
@@ -83,7 +84,8 @@ FROM folded a LEFT JOIN run_version r USING (run_id)
 
 _BRANCHES = """
 -- Branch 0 of every run that any event names, plus one row per forked branch (a repeated
--- fork of the same branch id: last by LSN wins). The live branch is the newest one.
+-- fork of the same branch id: last by LSN wins). The live branch is the one of the highest
+-- branch_id: the newest in a log whose forks take max + 1 (one that does not is an anomaly).
 WITH run_ids AS (
     SELECT DISTINCT run_id FROM events WHERE run_id IS NOT NULL
 ), forks AS (
@@ -107,7 +109,9 @@ FROM every_branch
 
 _RUNS = """
 -- One row per run that any event names. Its state is the effect of its last run-level
--- event by LSN; tenant and workflow_version come from its (last) run_started.
+-- event by LSN; tenant, workflow_version and started_at come from the run_started that
+-- started it (the first: a later one, another tenant's above all, is an anomaly and
+-- never takes the run over).
 WITH run_level AS (
     SELECT run_id,
            arg_max(CASE kind WHEN 'run_started' THEN 'running'
@@ -116,10 +120,10 @@ WITH run_level AS (
                              WHEN 'run_finished' THEN outcome
                              WHEN 'run_cancelled' THEN 'cancelled' END, lsn) AS state,
            arg_max(ts, lsn)                                                  AS last_ts,
-           arg_max(tenant, lsn) FILTER (WHERE kind = 'run_started')          AS tenant,
-           arg_max(workflow_version, lsn) FILTER (WHERE kind = 'run_started')
+           arg_min(tenant, lsn) FILTER (WHERE kind = 'run_started')          AS tenant,
+           arg_min(workflow_version, lsn) FILTER (WHERE kind = 'run_started')
                                                                              AS workflow_version,
-           arg_max(ts, lsn) FILTER (WHERE kind = 'run_started')              AS started_at,
+           arg_min(ts, lsn) FILTER (WHERE kind = 'run_started')              AS started_at,
            max(lsn) FILTER (WHERE kind = 'verifying_entered')                AS verifying_lsn
     FROM events
     WHERE kind IN ('run_started', 'verifying_entered', 'branch_forked', 'run_finished',
@@ -218,6 +222,21 @@ WITH e AS (
            coalesce(max(branch_id) OVER (PARTITION BY run_id ORDER BY lsn
                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS prior_max
     FROM e WHERE kind = 'branch_forked'
+), run_steps AS (  -- each run-level event with the run's state just before it
+    SELECT lsn, kind, run_id,
+           lag(CASE kind WHEN 'run_started' THEN 'running'
+                         WHEN 'verifying_entered' THEN 'verifying'
+                         WHEN 'branch_forked' THEN 'running'
+                         WHEN 'run_finished' THEN 'finished'
+                         WHEN 'run_cancelled' THEN 'cancelled' END)
+               OVER (PARTITION BY run_id ORDER BY lsn) AS before
+    FROM e WHERE kind IN ('run_started', 'verifying_entered', 'branch_forked',
+                          'run_finished', 'run_cancelled')
+), attempt_steps AS (  -- each attempt-level event with the attempt's event just before it
+    SELECT lsn, kind, run_id,
+           lag(kind) OVER (PARTITION BY run_id, branch_id, step_id, attempt_no
+                           ORDER BY lsn) AS before
+    FROM e WHERE kind IN ('attempt_dispatched', 'attempt_finished', 'attempt_recovered')
 )
 SELECT e.lsn, e.kind, e.run_id, 'event of an unknown run' AS reason
 FROM e LEFT JOIN started s USING (run_id)
@@ -257,6 +276,19 @@ WHERE e.kind = 'branch_forked' AND e.parent_branch_id <> 0 AND (f.lsn IS NULL OR
 UNION ALL
 SELECT lsn, kind, run_id, 'fork does not take the run''s max branch + 1'
 FROM forks WHERE branch_id <> prior_max + 1
+UNION ALL
+SELECT lsn, kind, run_id, 'run event after the run finished'
+FROM run_steps WHERE before = 'finished'
+UNION ALL
+SELECT lsn, kind, run_id, 'run finished without verifying'
+FROM run_steps WHERE kind = 'run_finished' AND before = 'running'
+UNION ALL
+SELECT lsn, kind, run_id, 'verifying entered while verifying'
+FROM run_steps WHERE kind = 'verifying_entered' AND before = 'verifying'
+UNION ALL
+SELECT lsn, kind, run_id, 'attempt event after the attempt ended'
+FROM attempt_steps WHERE kind IN ('attempt_finished', 'attempt_recovered')
+  AND before IN ('attempt_finished', 'attempt_recovered')
 """
 
 
