@@ -450,3 +450,40 @@ def test_bodies_of_every_size_are_encoded_exactly(tmp_path: Path) -> None:
     pairs = lines(tmp_path / "pairs.jsonl")
     assert [(x["prompt"], x["rejected"], x["chosen"]) for x in pairs] == [
         (p, o, expect[-1][1]) for p, o, _ in expect[:-1]]
+
+
+def test_a_body_committed_again_after_its_reduction_still_exports_its_summary(tmp_path) -> None:
+    """Events alone say what is reduced (README, Export): the same assembled prompt put
+    again after its reduction is stored again and read by blob_text, yet both attempts
+    that name it export the summary, from the log and from the state alike."""
+    import pyarrow.parquet as pq
+
+    log = pdm.open_log(tmp_path / "log")
+    with log.transaction() as tx:
+        p = tx.put_blob("acme", b"the same prompt")
+        o = tx.put_blob("acme", b"answer one")
+        tx.extend([ev.RunStarted("acme", "r", "v1"),
+                   ev.AttemptDispatched("acme", "r", 0, "s", 0, 1, prompt=p),
+                   ev.AttemptFinished("acme", "r", 0, "s", 1, "failed", output=o)])
+    reduce(log, [p], lambda body: b"a summary")
+    with log.transaction() as tx:
+        assert tx.put_blob("acme", b"the same prompt") == p
+        o2 = tx.put_blob("acme", b"answer two")
+        tx.extend([ev.AttemptDispatched("acme", "r", 0, "s", 0, 2, prompt=p),
+                   ev.AttemptFinished("acme", "r", 0, "s", 2, "succeeded", output=o2)])
+    assert log.blobs.get(p) == b"the same prompt"
+    with pdm.connect(log, source="log") as con:
+        assert con.sql("select attempt_no, blob_text(prompt) from attempts order by 1"
+                       ).fetchall() == [(1, "the same prompt"), (2, "the same prompt")]
+    want = [(1, "a summary", True, "answer one"), (2, "a summary", True, "answer two")]
+    shas = set()
+    for source in ("log", "state"):
+        if source == "state":
+            materialize(log)
+        out = tmp_path / f"{source}.parquet"
+        report = export_live(log, str(out), format="parquet", source=source)
+        assert report.reduced == 2
+        assert [(r["attempt_no"], r["prompt"], r["prompt_reduced"], r["output"])
+                for r in pq.read_table(out).to_pylist()] == want
+        shas.add(hashlib.sha256(out.read_bytes()).hexdigest())
+    assert len(shas) == 1

@@ -34,7 +34,9 @@ Rules a consumer must know:
   alone): a null assistant turn becomes an empty one in chat templates.
 - A reduced body exports its summary text with ``prompt_reduced``/``output_reduced``
   true. The summary is found in the ``reductions`` view at the export LSN; a body reduced
-  after that LSN (its original is gone) exports the summary of its latest reduction.
+  after that LSN (its original is gone) exports the summary of its latest reduction. A
+  body committed again after its reduction still exports its summary (events alone say
+  what is reduced, so every source writes the same bytes), though ``blob_text`` reads it.
 - ``verdicts``: the run verdicts recorded for the run's live branch (those that graded
   this trajectory; a verdict on a branch abandoned by a later rewind graded other
   attempts), on every record of the run, then the attempt verdicts of this very attempt
