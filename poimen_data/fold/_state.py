@@ -418,9 +418,12 @@ def _pending_sink(log: EventLog, token: str, have: set[str]) -> B.Sink:
 
 
 def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None,
-             token: str) -> Pointer | None:
+             token: str, present: set[str]) -> Pointer | None:
     """Create the next generation put-if-absent; on success move its files into place and
-    the replaced ones aside. None when another materializer took that generation."""
+    the replaced ones aside. None when another materializer took that generation.
+    ``present``: the old generation's files that were not written again (all of them,
+    unless a full build found some missing); the rest must be in the pending folder, or
+    nothing is published (a vacuum with a short grace, or forced, removed them)."""
     gen = old.gen + 1 if old is not None else 1
     tables = {t: tuple(sorted(b.tables.get(t, {}).values(), key=lambda f: f.key))
               for t in STATE_TABLES}
@@ -428,14 +431,22 @@ def _publish(log: EventLog, b: _Build, lsn: int, old: Pointer | None,
     ptr = Pointer(lsn, _seq_of(log, lsn), FOLD_VERSION, current_settings(), tables,
                   tuple(sorted(have - {f.path for e in tables.values() for f in e})),
                   gen, token)
+    files = ptr.files()
+    pending = set(log.storage.walk_files(f"{PENDING_DIR}/{token}"))
+    gone = sorted(p for p in files - present if pending_path(token, p) not in pending)
+    if gone:
+        log.storage.delete_tree(f"{PENDING_DIR}/{token}")
+        raise PoimenError(f"materialize: {len(gone)} of its new state files were removed "
+                          f"while it ran (e.g. {pending_path(token, gone[0])}): a vacuum with "
+                          "a grace shorter than the materialize, or forced; nothing was "
+                          "published, run it again")
     crash_point("state_written")
     if not log.storage.put_if_absent(gen_path(gen), dumps(ptr.to_doc())):
         log.storage.delete_tree(f"{PENDING_DIR}/{token}")
         return None
-    files = ptr.files()
     with ThreadPoolExecutor(max_workers=B.WRITE_THREADS) as pool:
         list(pool.map(lambda p: log.storage.move(pending_path(token, p), p),
-                      sorted(files - have)))
+                      sorted(files - present)))
         list(pool.map(lambda p: _move_aside(log, p), sorted(ptr.prev_files)))
     log.storage.write(POINTER, dumps(ptr.to_doc()))
     crash_point("state_published")
@@ -525,14 +536,16 @@ def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         if usable is not None and usable.lsn == lsn and not full:
             return MaterializeReport(lsn, lsn, False, 0, 0, 0, time.perf_counter() - t0)
         token = uuid.uuid4().hex
-        w = Writer(_pending_sink(log, token, old.files() if old is not None else set()))
+        present = old.files() if old is not None else set()
+        if full and present:  # a rebuild writes again what the old pointer names but lost
+            present &= set(log.storage.walk_files("state"))
+        w = Writer(_pending_sink(log, token, present))
         try:
             if usable is None or full:
                 groups = plan_groups(log, lsn, budget, passes)
                 remote = None
                 if executor is not None:
-                    remote = _remote_fold(log, lsn, budget, token,
-                                          old.files() if old is not None else set())
+                    remote = _remote_fold(log, lsn, budget, token, present)
                 b = build_full(log, lsn, w, budget, groups, executor, remote)
             else:
                 b = build_incremental(log, usable, lsn, w, budget)
@@ -542,10 +555,9 @@ def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
             w.close()
             log.storage.delete_tree(f"{PENDING_DIR}/{token}")
             raise
-        have = old.files() if old is not None else set()
         written = sum(1 for es in b.tables.values() for f in es.values()
-                      if f.path not in have)
-        ptr = _publish(log, b, lsn, old, token)
+                      if f.path not in present)
+        ptr = _publish(log, b, lsn, old, token, present)
         if ptr is not None:
             return MaterializeReport(lsn, lsn, b.full, b.runs_folded, written, b.buckets,
                                      time.perf_counter() - t0)

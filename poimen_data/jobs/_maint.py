@@ -209,8 +209,10 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     ``grace=0`` removes all of that at once: safe only when no other writer is active.
     With a grace under ``WRITER_ACTIVE_S`` (10 s), vacuum refuses (``WritersActive``,
     nothing removed) while an uncommitted file younger than that exists: a writer may be
-    between staging and publishing. ``force=True`` removes them anyway (a body lost so is
-    an error for its readers only; the log stays openable).
+    between staging and publishing (a commit's staging or segment, a materialize's pending
+    state files). ``force=True`` removes
+    them anyway (a body lost so is an error for its readers only; the log stays
+    openable; a materialize so robbed fails without publishing).
     """
     _check_seconds("grace", grace)
     if retention is not None:
@@ -237,6 +239,7 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         seg_files = [f for f in st.walk_files("segments") if f.count("/") == 1]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
+        state_keep = _state_in_use(log)  # after the listing: what it names is listed
         log.refresh()
         manifests = list(log.manifests())
         committed = {m.txn: m for m in manifests}
@@ -261,6 +264,9 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
             uncommitted = [f for txn, fs in staged_files.items() if txn not in committed
                            for f in fs]
             uncommitted += [p for p in seg_files if p not in listed] + temps
+            # a live materialize's pending files
+            uncommitted += [f for f in state_files if state_keep is not None
+                            and f not in state_keep]
             young_ones = [f for f in uncommitted if not old(f, WRITER_ACTIVE_S)]
             if young_ones:
                 raise WritersActive(
@@ -314,7 +320,7 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
             nbytes += st.size(p) or 0
             bodies += st.delete(p)
         held.check()
-        state_removed = _vacuum_state(log, state_files, lambda p: old(p, grace))
+        state_removed = _vacuum_state(log, state_files, state_keep, lambda p: old(p, grace))
         held.check()  # a live writer's temp file is younger than grace
         temps_removed = sum(st.delete(p) for p in temps if old(p, grace))
         checkpoints, lists_removed, ck_bytes, ck_young = _vacuum_checkpoints(
@@ -483,13 +489,20 @@ def _sync_all(st: Storage) -> None:
             batch.close()
 
 
-def _vacuum_state(log: EventLog, files: list[str], old_enough: Callable[[str], bool]) -> int:
-    """Remove materialized-state files that neither the pointer nor the generation it
-    replaced names (a materialize that crashed before publishing leaves such files).
-    Nothing is removed when the pointer cannot be read."""
+def _state_in_use(log: EventLog) -> set[str] | None:
+    """The state files a reader may open (``files_in_use``; None: keep everything)."""
     from poimen_data.fold._state import files_in_use
 
-    keep = files_in_use(log)
+    return files_in_use(log)
+
+
+def _vacuum_state(log: EventLog, files: list[str], keep: set[str] | None,
+                  old_enough: Callable[[str], bool]) -> int:
+    """Remove materialized-state files that neither the pointer nor the generation it
+    replaced names, once older than grace: a materialize that died before publishing
+    leaves such files, and a live one is writing them (``vacuum`` refuses a short grace
+    while one is young). Nothing is removed when the pointer cannot be read (``keep``
+    None)."""
     if keep is None:
         return 0
     n = 0
