@@ -76,3 +76,37 @@ def test_a_full_materialize_writes_again_a_state_file_that_is_gone(tmp_path: Pat
     assert (root / victim).is_file()
     assert pdm.check(log).ok and _served(log) == want
 
+
+
+def test_a_pending_folder_goes_whole_once_its_newest_file_is_older_than_grace(
+        tmp_path: Path) -> None:
+    """A materialize publishes right after writing its last pending file: vacuum judges its
+    folder by that newest file, so a folder whose first files are old but whose last is
+    fresh (a long materialize about to publish) is left whole."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "log"
+    log = pdm.open_log(root)
+    _runs(log, 0, 4)
+    pdm.materialize(log)
+    _runs(log, 4, 2)
+    env = dict(os.environ, POIMEN_CRASH_AT="state_written")  # dies just before publishing
+    res = subprocess.run([sys.executable, "-c", "import sys, poimen_data as p; "
+                          "p.materialize(p.open_log(sys.argv[1]))", str(root)],
+                         env=env, capture_output=True, timeout=120)
+    assert res.returncode == 137, res.stderr.decode()[-2000:]
+    pending = sorted(p for p in root.joinpath("state", "_pending").rglob("*") if p.is_file())
+    assert len(pending) >= 2
+    hour_ago = time.time() - 3600
+    for p in pending[:-1]:
+        os.utime(p, (hour_ago, hour_ago))
+    assert pdm.vacuum(log, grace=60).state_files_removed == 0
+    assert sorted(p for p in root.joinpath("state", "_pending").rglob("*")
+                  if p.is_file()) == pending
+    os.utime(pending[-1], (hour_ago, hour_ago))
+    assert pdm.vacuum(log, grace=60).state_files_removed == len(pending)
+    assert not any(p.is_file() for p in root.joinpath("state", "_pending").rglob("*"))
+    assert pdm.check(log).ok

@@ -502,13 +502,21 @@ def _vacuum_state(log: EventLog, files: list[str], keep: set[str] | None,
     replaced names, once older than grace: a materialize that died before publishing
     leaves such files, and a live one is writing them (``vacuum`` refuses a short grace
     while one is young). Nothing is removed when the pointer cannot be read (``keep``
-    None)."""
+    None). A materialize's pending folder goes whole or not at all, once its newest file
+    is older than grace: its writer publishes right after its last file, so a folder
+    being published is not taken from under it (unless the grace is shorter than that)."""
     if keep is None:
         return 0
-    n = 0
+    groups: dict[str, list[str]] = {}
     for f in files:
-        if f not in keep and old_enough(f):
-            n += log.storage.delete(f)
+        if f not in keep:
+            parts = f.split("/")
+            pending = f.startswith("state/_pending/") and len(parts) > 3
+            groups.setdefault("/".join(parts[:3]) if pending else f, []).append(f)
+    n = 0
+    for group in groups.values():
+        if all(old_enough(f) for f in group):
+            n += sum(log.storage.delete(f) for f in group)
     return n
 
 
