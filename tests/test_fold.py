@@ -217,7 +217,7 @@ def test_transitions_the_state_machine_forbids_are_listed(log) -> None:
     """running -> verifying -> succeeded | failed; cancelled from running or verifying; a
     rewind from running or verifying; an attempt ends once. Every other transition is kept,
     folded (a run's state is its last run-level event's, an attempt's its last event's)
-    and listed; the state serves the same rows."""
+    and listed, each event under one reason; the state serves the same rows."""
     commit(log,
            ev.RunStarted("acme", "a", "wf", ts=T),                          # 1
            ev.RunFinished("acme", "a", "succeeded", ts=T),                  # 2 not verifying
@@ -227,7 +227,7 @@ def test_transitions_the_state_machine_forbids_are_listed(log) -> None:
            ev.VerifyingEntered("acme", "b", ts=T),                          # 6 while verifying
            ev.RunFinished("acme", "b", "failed", ts=T),                     # 7
            ev.BranchForked("acme", "b", 1, 0, 0, ts=T),                     # 8 after finishing
-           ev.RunFinished("acme", "b", "failed", ts=T),                     # 9 not verifying
+           ev.RunFinished("acme", "b", "failed", ts=T),                     # 9 so is this
            ev.AttemptDispatched("acme", "b", 1, "s", 0, 1, ts=T),           # 10
            ev.AttemptFinished("acme", "b", 1, "s", 1, "failed", ts=T),      # 11
            ev.AttemptFinished("acme", "b", 1, "s", 1, "succeeded", ts=T),   # 12 ended
@@ -238,16 +238,38 @@ def test_transitions_the_state_machine_forbids_are_listed(log) -> None:
            ev.AttemptDispatched("acme", "c", 1, "s", 0, 1, ts=T),           # 17
            ev.AttemptRecovered("acme", "c", 1, "s", 1, "failed", ts=T),     # 18
            ev.VerifyingEntered("acme", "c", ts=T),                          # 19
-           ev.RunFinished("acme", "c", "succeeded", ts=T))                  # 20
+           ev.RunFinished("acme", "c", "succeeded", ts=T),                  # 20
+           ev.RunStarted("acme", "d", "wf", ts=T),                          # 21
+           ev.VerifyingEntered("acme", "d", ts=T),                          # 22
+           ev.RunFinished("acme", "d", "succeeded", ts=T),                  # 23
+           ev.BranchForked("acme", "d", 1, 0, 0, ts=T),                     # 24 each one after
+           ev.VerifyingEntered("acme", "d", ts=T),                          # 25 the finish,
+           ev.RunFinished("acme", "d", "failed", ts=T),                     # 26 not only the
+           ev.RunCancelled("acme", "d", ts=T),                              # 27 first
+           ev.RunStarted("acme", "e", "wf", ts=T),                          # 28
+           ev.RunCancelled("acme", "e", ts=T),                              # 29
+           ev.RunFinished("acme", "e", "failed", ts=T),                     # 30 after cancel
+           ev.RunCancelled("acme", "e", ts=T),                              # 31 (that alone)
+           ev.AttemptFinished("acme", "e", 0, "s", 1, "failed", ts=T),      # 32 no dispatch
+           ev.AttemptFinished("acme", "e", 0, "s", 1, "failed", ts=T))      # 33 (that alone)
     want = [(2, "run_finished", "a", "run finished without verifying"),
             (3, "run_cancelled", "a", "run event after the run finished"),
             (6, "verifying_entered", "b", "verifying entered while verifying"),
             (8, "branch_forked", "b", "run event after the run finished"),
-            (9, "run_finished", "b", "run finished without verifying"),
+            (9, "run_finished", "b", "run event after the run finished"),
             (12, "attempt_finished", "b", "attempt event after the attempt ended"),
-            (13, "attempt_recovered", "b", "attempt event after the attempt ended")]
+            (13, "attempt_recovered", "b", "attempt event after the attempt ended"),
+            (24, "branch_forked", "d", "run event after the run finished"),
+            (25, "verifying_entered", "d", "run event after the run finished"),
+            (26, "run_finished", "d", "run event after the run finished"),
+            (27, "run_cancelled", "d", "run event after the run finished"),
+            (30, "run_finished", "e", "run event after cancel"),
+            (31, "run_cancelled", "e", "run event after cancel"),
+            (32, "attempt_finished", "e", "finished without a dispatch"),
+            (33, "attempt_finished", "e", "finished without a dispatch")]
     query = "select lsn, kind, run_id, reason from anomalies order by lsn, reason"
-    folded = [("a", "cancelled"), ("b", "failed"), ("c", "succeeded")]
+    folded = [("a", "cancelled"), ("b", "failed"), ("c", "succeeded"), ("d", "cancelled"),
+              ("e", "cancelled")]
     with pdm.connect(log, source="log") as con:
         assert rows(con, query) == want
         assert rows(con, "select run_id, state from runs order by 1") == folded

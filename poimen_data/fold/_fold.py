@@ -222,18 +222,22 @@ WITH e AS (
            coalesce(max(branch_id) OVER (PARTITION BY run_id ORDER BY lsn
                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS prior_max
     FROM e WHERE kind = 'branch_forked'
-), run_steps AS (  -- each run-level event with the run's state just before it
-    SELECT lsn, kind, run_id,
+), run_steps AS (  -- each run-level event with the run's state just before it, and
+    SELECT lsn, kind, run_id,  -- where the run first finished and was first cancelled
            lag(CASE kind WHEN 'run_started' THEN 'running'
                          WHEN 'verifying_entered' THEN 'verifying'
                          WHEN 'branch_forked' THEN 'running'
                          WHEN 'run_finished' THEN 'finished'
                          WHEN 'run_cancelled' THEN 'cancelled' END)
-               OVER (PARTITION BY run_id ORDER BY lsn) AS before
+               OVER (PARTITION BY run_id ORDER BY lsn) AS before,
+           min(CASE kind WHEN 'run_finished' THEN lsn END)
+               OVER (PARTITION BY run_id) AS finished_lsn,
+           coalesce(min(CASE kind WHEN 'run_cancelled' THEN lsn END)
+               OVER (PARTITION BY run_id), lsn) AS cancelled_lsn
     FROM e WHERE kind IN ('run_started', 'verifying_entered', 'branch_forked',
                           'run_finished', 'run_cancelled')
 ), attempt_steps AS (  -- each attempt-level event with the attempt's event just before it
-    SELECT lsn, kind, run_id,
+    SELECT lsn, kind, run_id, branch_id, step_id, attempt_no,
            lag(kind) OVER (PARTITION BY run_id, branch_id, step_id, attempt_no
                            ORDER BY lsn) AS before
     FROM e WHERE kind IN ('attempt_dispatched', 'attempt_finished', 'attempt_recovered')
@@ -276,19 +280,24 @@ WHERE e.kind = 'branch_forked' AND e.parent_branch_id <> 0 AND (f.lsn IS NULL OR
 UNION ALL
 SELECT lsn, kind, run_id, 'fork does not take the run''s max branch + 1'
 FROM forks WHERE branch_id <> prior_max + 1
+-- the rules below give one reason per event: after a cancel (above) goes first, then
+-- after the run finished; a run not ended yet is judged by its state just before
 UNION ALL
 SELECT lsn, kind, run_id, 'run event after the run finished'
-FROM run_steps WHERE before = 'finished'
+FROM run_steps WHERE lsn > finished_lsn AND lsn <= cancelled_lsn
 UNION ALL
 SELECT lsn, kind, run_id, 'run finished without verifying'
 FROM run_steps WHERE kind = 'run_finished' AND before = 'running'
+  AND lsn <= cancelled_lsn AND lsn = finished_lsn
 UNION ALL
 SELECT lsn, kind, run_id, 'verifying entered while verifying'
 FROM run_steps WHERE kind = 'verifying_entered' AND before = 'verifying'
+  AND lsn <= cancelled_lsn AND (finished_lsn IS NULL OR lsn < finished_lsn)
 UNION ALL
-SELECT lsn, kind, run_id, 'attempt event after the attempt ended'
-FROM attempt_steps WHERE kind IN ('attempt_finished', 'attempt_recovered')
-  AND before IN ('attempt_finished', 'attempt_recovered')
+SELECT s.lsn, s.kind, s.run_id, 'attempt event after the attempt ended'
+FROM attempt_steps s JOIN dispatched d USING (run_id, branch_id, step_id, attempt_no)
+WHERE s.kind IN ('attempt_finished', 'attempt_recovered') AND d.lsn < s.lsn
+  AND s.before IN ('attempt_finished', 'attempt_recovered')
 """
 
 
@@ -340,16 +349,20 @@ MIN_MEMORY_LIMIT = 16 << 20
 MAX_MEMORY_LIMIT = 1 << 62
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10,  # as DuckDB
-          "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "B": 1}  # reads them
+          "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "B": 1,  # reads them ('4G' is
+          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}  # 4 GB there too)
 
 
 def memory_bytes(value: Any, where: str = "memory_limit") -> int:
-    """A memory limit in bytes: an int, or a size such as ``"2GB"`` or ``"512 MiB"`` (the
-    units DuckDB reads), from ``MIN_MEMORY_LIMIT`` to ``MAX_MEMORY_LIMIT``; anything else
-    is a ``ValidationError`` naming ``where``. One rule for queries and jobs alike."""
+    """A memory limit in bytes: an int or a str of digits (an environment variable or a CLI
+    option), or a size such as ``"2GB"``, ``"4G"`` or ``"512 MiB"`` (the units DuckDB
+    reads; no percentages), from ``MIN_MEMORY_LIMIT`` to ``MAX_MEMORY_LIMIT``; anything
+    else is a ``ValidationError`` naming ``where``. One rule for queries and jobs alike."""
     size: int | None = None
     if isinstance(value, str):
         s = value.strip().upper().replace(" ", "")
+        if re.fullmatch(r"[0-9]{1,30}", s):
+            s += "B"
         for u, mult in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
             number = s[:-len(u)]
             # ASCII digits only ('²'.isdigit() is true); Decimal: no float overflow
