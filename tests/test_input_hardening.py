@@ -391,6 +391,18 @@ def test_every_entry_point_takes_a_memory_limit_by_one_rule(log_root, tmp_path, 
         assert con.sql("select current_setting('memory_limit')").fetchall() == [("16.0 MiB",)]
 
 
+@pytest.mark.parametrize(("value", "shown"), [("2147483648", "2.0 GiB"), ("4G", "3.7 GiB"),
+                                              ("500 m", "476.8 MiB"), ("1GiB", "1.0 GiB")])
+def test_a_memory_limit_in_digits_or_duckdb_s_short_units_is_taken(log_root, monkeypatch,
+                                                                   value, shown) -> None:
+    """Bytes as digits (all an environment variable or a CLI option can give) and DuckDB's
+    one-letter units (1000^i, as DuckDB reads '4G') are sizes too."""
+    log, _root = log_root
+    monkeypatch.setenv("POIMEN_MEMORY_LIMIT", value)
+    with pdm.connect(log) as con:
+        assert con.sql("select current_setting('memory_limit')").fetchall() == [(shown,)]
+
+
 def test_an_infinite_deadline_is_none(log_root) -> None:
     log, _root = log_root
     with log.transaction() as tx:
