@@ -222,8 +222,9 @@ WITH e AS (
            coalesce(max(branch_id) OVER (PARTITION BY run_id ORDER BY lsn
                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS prior_max
     FROM e WHERE kind = 'branch_forked'
-), run_steps AS (  -- each run-level event with the run's state just before it, and
-    SELECT lsn, kind, run_id,  -- where the run first finished and was first cancelled
+), run_steps AS (  -- each run-level event with the run's state just before it, the
+    SELECT lsn, kind, run_id,  -- LSN of its first finish, and of its first cancel (or
+    -- the event's own when there is none: lsn <= cancelled_lsn reads "not after a cancel")
            lag(CASE kind WHEN 'run_started' THEN 'running'
                          WHEN 'verifying_entered' THEN 'verifying'
                          WHEN 'branch_forked' THEN 'running'

@@ -210,9 +210,9 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
     With a grace under ``WRITER_ACTIVE_S`` (10 s), vacuum refuses (``WritersActive``,
     nothing removed) while an uncommitted file younger than that exists: a writer may be
     between staging and publishing (a commit's staging or segment, a materialize's pending
-    state files). ``force=True`` removes
-    them anyway (a body lost so is an error for its readers only; the log stays
-    openable; a materialize so robbed fails without publishing).
+    state files). ``force=True`` removes them anyway: a body lost so is an error for its
+    readers only, the log stays openable; a materialize so robbed fails before it
+    publishes, unless the removal falls in the instant of its publish (README, "vacuum").
     """
     _check_seconds("grace", grace)
     if retention is not None:
