@@ -306,3 +306,55 @@ def test_money_keeps_its_nine_places_under_a_millionth(tmp_path: Path) -> None:
     assert [s["metrics"]["extra"]["cost_usd"] for s in doc["steps"]
             if s["source"] == "agent"] == got
     assert doc["final_metrics"]["extra"]["total_cost_usd"] == "0.000000251"
+
+
+def test_attempt_verdicts_ride_on_their_own_agent_step(tmp_path: Path) -> None:
+    """The trajectory carries the run's verdicts only; each attempt's own verdicts are on
+    its agent step (they were all put on the trajectory as the first row's, the others'
+    lost)."""
+    log = pdm.open_log(tmp_path / "log")
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted(T, "r", "wf"))
+        for index, sid in enumerate(("a", "b", "c")):
+            p = tx.put_blob(T, sid.encode())
+            tx.append(ev.AttemptDispatched(T, "r", 0, sid, index, 1, prompt=p))
+            tx.append(ev.AttemptFinished(T, "r", 0, sid, 1, "succeeded", output=p))
+        tx.append(ev.VerifyingEntered(T, "r"))
+    snap = log.head
+    with log.transaction() as tx:
+        tx.append(ev.VerdictRecorded(T, "r", 0, "tests@1", snap, True, 1.0))
+        tx.append(ev.VerdictRecorded(T, "r", 0, "judge-a@1", snap, False, 0.1,
+                                     step_id="a", attempt_no=1))
+        tx.append(ev.VerdictRecorded(T, "r", 0, "judge-b@1", snap, True, 0.9,
+                                     step_id="b", attempt_no=1))
+    out = tmp_path / "r.atif.jsonl"
+    pdm.export_live(log, str(out), format="atif")
+    (doc,) = trajectories(out)
+    assert doc["extra"]["poimen"]["verdicts"] == [
+        {"verifier": "tests@1", "passed": True, "score": 1.0, "snapshot_lsn": snap}]
+    got = {s["extra"]["poimen"]["step_id"]: s["extra"]["poimen"].get("verdicts")
+           for s in doc["steps"] if s["source"] == "agent"}
+    assert got == {
+        "a": [{"verifier": "judge-a@1", "passed": False, "score": 0.1, "snapshot_lsn": snap}],
+        "b": [{"verifier": "judge-b@1", "passed": True, "score": 0.9, "snapshot_lsn": snap}],
+        "c": None}
+    atif.Trajectory.model_validate(doc)
+
+
+def test_token_sums_past_what_json_holds_are_one_error_and_no_file(tmp_path: Path) -> None:
+    """Each count may be up to 2**63 - 1; three of them add up past 2**64 - 1, which the
+    JSON writer cannot hold: a ValidationError naming the run (it was a bare TypeError)."""
+    log = pdm.open_log(tmp_path / "log")
+    big = ev.Usage(input_tokens=2**63 - 1)
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted(T, "r", "wf"))
+        for n in (1, 2, 3):
+            p = tx.put_blob(T, b"p%d" % n)
+            tx.append(ev.AttemptDispatched(T, "r", 0, "s", 0, n, prompt=p))
+            tx.append(ev.AttemptFinished(T, "r", 0, "s", n, "failed", output=p, usage=big))
+    out = tmp_path / "r.atif.jsonl"
+    with pytest.raises(pdm.ValidationError, match=r"run 'r': its total_prompt_tokens add up "
+                                                  r"past 2\*\*64 - 1"):
+        pdm.export_live(log, str(out), format="atif")
+    assert list(tmp_path.iterdir()) == [tmp_path / "log"]  # no file, no temp file
+    assert pdm.export_live(log, str(tmp_path / "r.jsonl")).records == 3  # the rest can

@@ -33,7 +33,8 @@ AGENT_NAME = "poimen"
 _CONTEXT = b'{"atif":"context"'
 _AGENT_STEP = b'{"atif":"agent_step"'
 _ROW = ("run_id", "tenant", "branch_id", "step_id", "step_index", "attempt_no", "state",
-        "workflow_version", "usage", "tools", "error", "live_branch", "verdicts")
+        "workflow_version", "usage", "tools", "error", "live_branch", "verdicts",
+        "run_verdicts")
 
 
 # --- out ---------------------------------------------------------------------------------
@@ -173,7 +174,9 @@ class AtifWriter:
             "step_index": row["step_index"], "attempt_no": row["attempt_no"],
             "state": row["state"], "workflow_version": row["workflow_version"],
             "error": row["error"], "prompt_reduced": prompt_reduced,
-            "output_reduced": output_reduced, "output_captured": output is not None})
+            "output_reduced": output_reduced, "output_captured": output is not None,
+            # this attempt's own verdicts (the run's ride on the trajectory)
+            "verdicts": verdict_records(row["verdicts"][row["run_verdicts"]:]) or None})
         step["extra"] = extra
         self._steps.append(step)
 
@@ -187,7 +190,8 @@ class AtifWriter:
         extra["poimen"] = {
             "run_id": run["run_id"], "tenant": run["tenant"],
             "live_branch": run["live_branch"], "workflow_version": run["workflow_version"],
-            "verdicts": verdict_records(run["verdicts"]), "export_lsn": self.export_lsn}
+            "verdicts": verdict_records(run["verdicts"][:run["run_verdicts"]]),
+            "export_lsn": self.export_lsn}
         agent = header.get("agent") or {"name": AGENT_NAME,
                                         "version": run["workflow_version"] or "unknown"}
         doc = _drop_none({
@@ -195,7 +199,7 @@ class AtifWriter:
             "session_id": header.get("session_id", run["run_id"]),
             "trajectory_id": header.get("trajectory_id"),
             "agent": agent, "steps": steps, "notes": header.get("notes"),
-            "final_metrics": _final_metrics(steps), "extra": extra})
+            "final_metrics": _final_metrics(steps, run["run_id"]), "extra": extra})
         self.sink.write(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS
                                      | orjson.OPT_APPEND_NEWLINE))
         self._run, self._steps, self._header = None, [], None
@@ -205,7 +209,11 @@ class AtifWriter:
             self._flush()
 
 
-def _final_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+#: the largest int orjson writes: a run's token sums past it are refused
+UINT64_MAX = 2**64 - 1
+
+
+def _final_metrics(steps: Sequence[dict[str, Any]], run_id: str) -> dict[str, Any]:
     tot: dict[str, Any] = {}
     cost = Decimal(0)
     has_cost = False
@@ -216,6 +224,9 @@ def _final_metrics(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
                         ("cached_tokens", "total_cached_tokens")):
             if m.get(k) is not None:
                 tot[name] = tot.get(name, 0) + m[k]
+                if tot[name] > UINT64_MAX:  # each count fits; orjson takes no bigger sum
+                    raise ValidationError(f"export atif: run {run_id!r}: its {name} add up "
+                                          "past 2**64 - 1, more than its JSON can hold")
         exact = (m.get("extra") or {}).get("cost_usd")
         if exact is not None:
             cost += Decimal(exact)

@@ -53,6 +53,7 @@ SELECT t.run_id, t.tenant, t.branch_id, t.step_id, t.step_index, t.attempt_no, t
        coalesce(ro.summary, t.output) AS output_ref, ro.summary IS NOT NULL AS output_reduced,
        list_concat(coalesce(vd.verdicts, []::{verdict_type}[]),
                    coalesce(va.verdicts, []::{verdict_type}[])) AS verdicts,
+       len(coalesce(vd.verdicts, []::{verdict_type}[])) AS run_verdicts,
        row_number() OVER (PARTITION BY t.run_id ORDER BY {trajectory_order}) AS pos
 FROM trajectories t
 LEFT JOIN _export_red rp ON rp.tenant = t.prompt.tenant AND rp.sha256 = t.prompt.sha256
