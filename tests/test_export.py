@@ -487,3 +487,48 @@ def test_a_body_committed_again_after_its_reduction_still_exports_its_summary(tm
                 for r in pq.read_table(out).to_pylist()] == want
         shas.add(hashlib.sha256(out.read_bytes()).hexdigest())
     assert len(shas) == 1
+
+
+def test_a_body_reduced_after_the_reductions_were_read_is_found_by_reading_them_again(
+        tmp_path) -> None:
+    """An export reads the reductions committed after its LSN once, at its first body
+    found reduced; a second reduction committed later (by another process) was missed, and
+    the export failed with NotFound. The fetcher is driven directly: no timing involved."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from poimen_data.jobs import _export
+
+    log = pdm.open_log(tmp_path / "log")
+    with log.transaction() as tx:
+        refs = [tx.put_blob("acme", b"body %d" % i) for i in range(2)]
+        tx.append(ev.RunStarted("acme", "r", "wf"))
+    other = pdm.open_log(tmp_path / "log")
+    with ThreadPoolExecutor(1) as pool:
+        fetcher = _export._Fetcher(log, pool)
+        reduce(other, [refs[0]], lambda body: b"summary 0")
+        assert fetcher._body(refs[0]) == (b"summary 0", True)  # reads the reductions
+        reduce(other, [refs[1]], lambda body: b"summary 1")
+        assert fetcher._body(refs[1]) == (b"summary 1", True)  # read again
+
+
+@pytest.mark.parametrize("inside", ["_log/00000000000000000001.json", "_poimen.json",
+                                    "segments/x.arrow", "blobs/acme/new.jsonl",
+                                    "state/runs/x.parquet"])
+def test_an_export_never_writes_into_the_log_s_own_files(tmp_path, inside: str) -> None:
+    """export_live replaced a manifest or a segment it was pointed at (the log then failed
+    to open); anything of the log's own layout is refused now, a folder of one's own under
+    the root is not."""
+    root = tmp_path / "log"
+    log = pdm.open_log(root)
+    with log.transaction() as tx:
+        tx.append(ev.RunStarted("acme", "r", "wf"))
+    pdm.materialize(log)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    for dest in (str(root / inside), f"file://{root}/{inside}"):
+        with pytest.raises(pdm.ValidationError, match="inside the log's own"):
+            export_live(log, dest)
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    (root / "exports").mkdir()
+    report = export_live(str(root), str(root / "exports" / "live.jsonl"))
+    assert report.export_lsn == log.head and (root / "exports" / "live.jsonl").is_file()
+    assert pdm.open_log(root).head == log.head

@@ -117,6 +117,28 @@ class ExportProgress:
     bytes: int
 
 
+#: what a log keeps right under its root (README, "Storage layout"): never an export's
+LOG_OWN = ("_poimen.json", "_lease.json", "_log", "_staging", "segments", "blobs", "state")
+
+
+def _log_part(log: EventLog, dest: str) -> str | None:
+    """The part of the log's own layout that ``dest`` names or lies in (None: none). Local
+    paths are compared with their folders' symlinks resolved, URLs as written."""
+    def where(url: str) -> tuple[str, str]:
+        proto, sep, path = url.partition("://")
+        if sep and proto != "file":
+            return proto, path.strip("/")
+        local = path if sep else url
+        folder, name = os.path.split(os.path.abspath(local))
+        return "file", os.path.join(os.path.realpath(folder), name).strip("/")
+
+    (dproto, dpath), (rproto, rpath) = where(dest), where(log.root)
+    if dproto != rproto or not dpath.startswith(rpath + "/"):
+        return None
+    first = dpath[len(rpath) + 1:].split("/", 1)[0]
+    return first if first in LOG_OWN or ".tmp-" in first else None
+
+
 def export_live(
     log: LogLike,
     dest: str | os.PathLike[str],
@@ -169,6 +191,11 @@ def export_live(
         raise ValidationError(f"export: batch_size must be an int >= 1, got {batch_size!r}")
     if type(max_workers) is not int or max_workers < 1:
         raise ValidationError(f"export: max_workers must be an int >= 1, got {max_workers!r}")
+    own = _log_part(log, os.fspath(dest))
+    if own is not None:
+        raise ValidationError(f"export: {os.fspath(dest)!r} is inside the log's own "
+                              f"{own!r}; write it elsewhere (a folder of your own under the "
+                              "root, such as exports/, is fine)")
     head = log.head
     lsn = head if at_lsn is None else at_lsn
     if type(lsn) is not int or not 0 <= lsn <= head:
@@ -282,15 +309,20 @@ class _Fetcher:
             if data is not None:
                 return data, late
             summary = self._late_reductions().get((ref.tenant, ref.sha256))
+            if summary is None:  # reduced after the reductions were read: read them again
+                summary = self._late_reductions(again=True).get((ref.tenant, ref.sha256))
             if summary is None:
                 break
             ref, late = summary, True
         raise NotFound(f"export: body {ref.tenant}/{ref.sha256} was reduced and no summary "
                        "of it is in the log")
 
-    def _late_reductions(self) -> dict[tuple[str, str], BlobRef]:
+    def _late_reductions(self, again: bool = False) -> dict[tuple[str, str], BlobRef]:
+        """Every reduction in the log, original -> summary (read once; ``again`` reads
+        them anew, for a body reduced since)."""
         with self._lock:
-            if self._late is None:
+            if self._late is None or again:
+                self.log.refresh()
                 self._late = {}  # the reductions only, as the segments stream past
                 for b in self.log.scan(columns=("kind", "original", "summary")):
                     red = b.filter(pc.equal(b.column("kind"), "blob_reduced"))
