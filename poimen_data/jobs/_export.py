@@ -71,7 +71,7 @@ from poimen_data.errors import NotFound, ValidationError
 from poimen_data.fold._build import budget_of
 from poimen_data.fold._fold import SOURCES, Source
 from poimen_data.jobs._atif import AtifWriter
-from poimen_data.jobs._export_formats import SLOTS, WRITERS, Bodies, Sink
+from poimen_data.jobs._export_formats import SLOTS, WRITERS, Bodies, Sink, dest_parts
 from poimen_data.jobs._export_rows import Options, export_rows, wanted_runs
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import BlobRef
@@ -125,12 +125,11 @@ def _log_part(log: EventLog, dest: str) -> str | None:
     """The part of the log's own layout that ``dest`` names or lies in (None: none). Local
     paths are compared with their folders' symlinks resolved, URLs as written."""
     def where(url: str) -> tuple[str, str]:
-        proto, sep, path = url.partition("://")
-        if sep and proto != "file":
-            return proto, path.strip("/")
-        local = path if sep else url
-        folder, name = os.path.split(os.path.abspath(local))
-        return "file", os.path.join(os.path.realpath(folder), name).strip("/")
+        proto, folder, name = dest_parts(url)
+        if proto in ("", "file"):  # file:// URLs name local paths too
+            folder = os.path.realpath(folder if proto == "" else f"/{folder.lstrip('/')}")
+            proto = "file"
+        return proto, f"{folder}/{name}".strip("/")
 
     (dproto, dpath), (rproto, rpath) = where(dest), where(log.root)
     if dproto != rproto or not dpath.startswith(rpath + "/"):

@@ -300,6 +300,17 @@ SLOTS: dict[str, tuple[str, ...]] = {k: w.slots for k, w in (
 
 # --- where the bytes go ------------------------------------------------------------------
 
+def dest_parts(dest: str) -> tuple[str, str, str]:
+    """(protocol, folder, name) of a destination: ``""`` and an absolute folder for a
+    local path, else the URL's protocol and the path after it, split at its last ``/``."""
+    if "://" in dest:
+        proto, _, path = dest.partition("://")
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return proto, parent, name
+    folder, name = os.path.split(os.path.abspath(dest))
+    return "", folder, name
+
+
 def Sink(dest: str, storage_options: dict[str, Any] | None) -> AtomicWriter:  # noqa: N802
     """The writer of an export: a file at a temporary name next to ``dest`` (any fsspec
     URL), moved onto ``dest`` only when the ``with`` block exits cleanly, so a failed
@@ -310,12 +321,8 @@ def Sink(dest: str, storage_options: dict[str, Any] | None) -> AtomicWriter:  # 
     if "::" in dest.partition("://")[0] and "://" in dest:  # fsspec's chain, not a name
         raise ValidationError(f"export: {dest!r} is a chained URL; name the destination "
                               "itself (a path, file://, s3://, ...)")
-    if "://" in dest:
-        proto, _, path = dest.partition("://")
-        parent, _, name = path.rstrip("/").rpartition("/")
-        folder = f"{proto}://{parent}"
-    else:
-        folder, name = os.path.split(os.path.abspath(dest))
+    proto, parent, name = dest_parts(dest)
+    folder = parent if proto == "" else f"{proto}://{parent}"
     if not name:
         raise ValidationError(f"export: {dest!r} names no file")
     return open_storage(folder, storage_options).open_atomic(name)

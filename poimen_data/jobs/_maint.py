@@ -34,6 +34,7 @@ from poimen_data.errors import (
     ValidationError,
     WritersActive,
 )
+from poimen_data.fold._state import files_in_use
 from poimen_data.log import LEASE, lease, lease_holder
 from poimen_data.log._lists import document_seq, list_entries, list_seq
 from poimen_data.log._log import EventLog, LogLike, as_log
@@ -239,7 +240,7 @@ def vacuum(log: LogLike, *, storage_options: dict[str, Any] | None = None,
         seg_files = [f for f in st.walk_files("segments") if f.count("/") == 1]
         body_files = [f for f in st.walk_files("blobs")]
         state_files = [f for f in st.walk_files("state")]
-        state_keep = _state_in_use(log)  # after the listing: what it names is listed
+        state_keep = files_in_use(log)  # after the listing: what it names is listed
         log.refresh()
         manifests = list(log.manifests())
         committed = {m.txn: m for m in manifests}
@@ -487,13 +488,6 @@ def _sync_all(st: Storage) -> None:
             batch.sync()
         finally:
             batch.close()
-
-
-def _state_in_use(log: EventLog) -> set[str] | None:
-    """The state files a reader may open (``files_in_use``; None: keep everything)."""
-    from poimen_data.fold._state import files_in_use
-
-    return files_in_use(log)
 
 
 def _vacuum_state(log: EventLog, files: list[str], keep: set[str] | None,

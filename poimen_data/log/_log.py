@@ -76,9 +76,9 @@ from poimen_data.storage import (
     PIECE_POOL,
     PROMOTE_POOL,
     Storage,
+    open_regular,
     open_storage,
 )
-from poimen_data.storage._local import open_regular
 
 DEFAULT_CHECKPOINT_INTERVAL = 100
 # passes a checkpoint makes off the log's lock over the commits it must promote, each over

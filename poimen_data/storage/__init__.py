@@ -5,6 +5,7 @@ the package's thread pools."""
 from __future__ import annotations
 
 from poimen_data.storage._base import PARALLEL_HASH_BYTES, DurableBatch, Storage
+from poimen_data.storage._local import open_regular
 from poimen_data.storage._open import open_storage
 from poimen_data.storage._pools import (
     CHECK_POOL,
@@ -31,5 +32,6 @@ __all__ = [
     "HashingSink",
     "RetryPolicy",
     "Storage",
+    "open_regular",
     "open_storage",
 ]
