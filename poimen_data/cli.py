@@ -52,6 +52,15 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise CliError(message, code)
 
 
+def _check_memory(value: str | None) -> None:
+    """``--memory-limit`` checked before the root is opened, its error naming the option
+    (the library's names the ``memory_limit`` argument)."""
+    if value is not None:
+        from poimen_data.fold._fold import memory_bytes
+
+        memory_bytes(value, "--memory-limit")
+
+
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Catch what bad input raises and print it as one line, never a traceback."""
     import duckdb
@@ -284,6 +293,7 @@ def sql(query: Annotated[str | None, typer.Argument(help="SQL; omit for a prompt
     if explain is not None:
         out.print(_view_sql(explain), highlight=False, markup=False)
         return
+    _check_memory(memory_limit)
     log = open_root(root, read_only=True)
     con = pdm.connect(log, at_lsn=at_lsn, source=source,  # type: ignore[arg-type]
                       memory_limit=memory_limit)
@@ -383,6 +393,7 @@ def materialize(full: Annotated[bool, typer.Option(
                     "quarter of the machine, at most 1.5GiB; DuckDB spills the rest).")] = None,
                 root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """Refresh the materialized state (incremental: folds only the new commits)."""
+    _check_memory(memory_limit)
     log = open_root(root)
     r = pdm.materialize(log, full=full, memory_limit=memory_limit)
     if as_json:

@@ -200,9 +200,15 @@ def test_materialize_check_grade_export(demo_root, tmp_path: Path) -> None:
     r = poimen("materialize", "--full", "--memory-limit", "256MB", "--root", root, "--json")
     rep = json.loads(r.stdout)
     assert (r.exit_code, rep["lsn"], rep["full"]) == (0, head, True)
-    r = poimen("materialize", "--memory-limit", "lots", "--root", root)
-    assert r.exit_code != 0 and "memory_limit: expected a size" in r.stderr
-    assert "got 'lots'" in r.stderr
+    state = sorted((p.relative_to(root), p.read_bytes()) for p in Path(root).rglob("*")
+                   if p.is_file())
+    for cmd in (("materialize",), ("sql", "select 1")):  # the option named as typed
+        r = poimen(*cmd, "--memory-limit", "lots", "--root", root)
+        assert r.exit_code == 1 and r.stderr.startswith("error: --memory-limit: expected a "
+                                                        "size") and "got 'lots'" in r.stderr
+        assert r.stderr.count("\n") == 1
+    assert state == sorted((p.relative_to(root), p.read_bytes())
+                           for p in Path(root).rglob("*") if p.is_file())
     r = poimen("check", "--root", root)
     assert r.exit_code == 0
     assert r.stdout.startswith(f"state at lsn {head} equals a cold re-fold: ")
