@@ -365,4 +365,4 @@ def test_poimen_sql_source_and_memory_options(tmp_path) -> None:
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert f"covers lsn {lsn}, not lsn {lsn + 1}" in r.stderr
     r = sql("--memory-limit", "lots", q)
-    assert r.exit_code != 0 and "memory_limit: expected a size such as '2GB'" in r.stderr
+    assert r.exit_code != 0 and "--memory-limit: expected a size such as '2GB'" in r.stderr
