@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from poimen_data.bench import _runner as _bench
+from poimen_data.bench._core import fmt_rate, fmt_time
 from poimen_data.bench._recorder import (
     PRODUCERS,
     ROLES,
@@ -74,6 +75,15 @@ def test_quick_bench_reports_every_scenario(quick_results: list[Result]) -> None
     floor = group.details["floor_events_per_s"]
     assert f"{group.details['floor_cpu_us_per_record']:.0f} us CPU per record" in group.note
     assert f"ours at {group.ours / floor:.0%} of it" in group.note
+    # ... the bare writer with no file per body, and the producers as asyncio tasks
+    d = group.details
+    for side in ("packed", "async"):
+        assert d[f"{side}_events_per_s"] > 0 and len(d[f"t_{side}_s"]) == 2, d
+        assert f"{d[f'{side}_cpu_us_per_record']:.0f} us CPU per record" in group.note
+    assert "each body left in its window's pack for good" in group.note
+    assert (f"{PRODUCERS} asyncio tasks on one event loop (arecord): "
+            f"{fmt_rate(d['async_events_per_s'], 'events/s')} "
+            f"(p99 {fmt_time(d['async_p99_s'])}" in group.note)
     if sys.platform.startswith("linux"):  # the machine's busy cores, from /proc/stat
         busy = group.details["ours_busy_cores"]
         assert 0 < busy <= (os.cpu_count() or 1) + 0.05, busy

@@ -5,6 +5,7 @@ processes racing for one log. Run ``python -m poimen_data.bench._recorder`` as a
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import hashlib
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -188,6 +189,69 @@ def _drive(per: int, one: Callable[[int, int, bytes], None]) -> Driven:
                   busy_cores)
 
 
+def _drive_async(per: int, one: Callable[[int, int, bytes], Awaitable[None]]) -> Driven:
+    """``_drive`` for asyncio: ``PRODUCERS`` tasks on one event loop, released together,
+    each awaiting ``one(p, k, body)`` ``per`` times in a row. The loop runs on a thread of
+    its own, counted as the producers' (``ROLES``); a record's latency runs until its task
+    is resumed, as an engine's run sees it."""
+    bodies = [[os.urandom(BODY) for _ in range(per)] for _ in range(PRODUCERS)]
+    ready = threading.Barrier(2)  # every task waits for the release ...
+    done = threading.Barrier(2)  # ... every task ended ...
+    read = threading.Event()  # ... and the loop's thread alive until its clock is read
+    released = threading.Event()
+    lat: list[float] = []
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        go = asyncio.Event()
+
+        async def producer(p: int) -> None:
+            await go.wait()
+            for k in range(per):
+                t = time.perf_counter()
+                await one(p, k, bodies[p][k])
+                lat.append(time.perf_counter() - t)
+
+        tasks = [asyncio.create_task(producer(p)) for p in range(PRODUCERS)]
+        await asyncio.sleep(0)  # each task is at go.wait() now
+        ready.wait()  # the loop blocks here while the clocks are read: nothing to run
+        released.set()
+        go.set()
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # the loop blocks again while the clocks are read
+            done.wait()
+            read.wait()
+
+    def loop_thread() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            errors.append(exc)
+        if not released.is_set():
+            ready.abort()  # failed before the release: the caller stops waiting
+
+    thread = threading.Thread(target=loop_thread, name="bench-producer-asyncio")
+    thread.start()
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        thread.join()
+        raise errors[0] if errors else RuntimeError("the producers' loop ended") from None
+    c0, t0, cpu0, busy = os.times(), time.perf_counter(), _thread_cpu(), _BusyCores()
+    done.wait()
+    try:
+        wall, c1, cpu1 = time.perf_counter() - t0, os.times(), _thread_cpu()
+        busy_cores = busy.end()
+    finally:
+        read.set()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return Driven(wall, lat, c1.user - c0.user, c1.system - c0.system, _by_role(cpu0, cpu1),
+                  busy_cores)
+
+
 def _grouped(log: Any, per: int) -> Driven:
     with log.recorder(max_delay_ms=5) as rec:
         def one(p: int, k: int, body: bytes) -> None:
@@ -195,6 +259,15 @@ def _grouped(log: Any, per: int) -> Driven:
             rec.record(_attempt(f"g{p}-{k}", ref), blobs={ref: body}).result()
 
         return _drive(per, one)
+
+
+def _grouped_async(log: Any, per: int) -> Driven:
+    with log.recorder(max_delay_ms=5) as rec:
+        async def one(p: int, k: int, body: bytes) -> None:
+            ref = rec.ref("acme", body)
+            await rec.arecord(_attempt(f"a{p}-{k}", ref), blobs={ref: body})
+
+        return _drive_async(per, one)
 
 
 def _one_by_one(log: Any, per: int) -> Driven:
@@ -213,7 +286,7 @@ SEGMENT_BYTES_PER_RECORD = 870
 FLOOR_WAIT_S = 300.0
 
 
-def _floor(root: str, per: int) -> Driven:
+def _floor(root: str, per: int, *, promote: bool = True) -> Driven:
     """A bare writer under ``group_commit``: the same producers (each hashing its body and
     waiting on a ``Future``) handing their bodies to a writer that does this format's file
     work through the same storage calls as a log, one window at a time, and builds,
@@ -224,7 +297,10 @@ def _floor(root: str, per: int) -> Driven:
     ``blobs/`` as promotion writes it, one more ``syncfs``, the probe for a next manifest
     that promotion makes, the pack and its staging area removed. Where there is no
     ``syncfs``, each file is fsynced instead. Not done: the window's delay (a window is
-    whatever waited), checkpoints (one per 100 commits)."""
+    whatever waited), checkpoints (one per 100 commits).
+
+    ``promote=False``: no promotion, each body left in its window's pack for good (a
+    storage format this project does not have: what it would allow)."""
     from poimen_data.log._manifest import blob_path, manifest_path
     from poimen_data.storage import open_storage
 
@@ -249,7 +325,7 @@ def _floor(root: str, per: int) -> Driven:
             if batch is not None:
                 batch.close()
 
-    def promote(seq: int, window: list[tuple[str, bytes, Future[int]]]) -> None:
+    def copy_to_blobs(seq: int, window: list[tuple[str, bytes, Future[int]]]) -> None:
         def copy_out(sync: bool) -> None:
             for sha, body, _fut in window:
                 storage.write(blob_path("acme", sha), body, durable=sync)
@@ -271,7 +347,8 @@ def _floor(root: str, per: int) -> Driven:
         doc = {"seq": seq, "blobs": [sha for sha, _body, _fut in window]}
         if not storage.put_if_absent(manifest_path(seq), json.dumps(doc).encode()):
             raise RuntimeError(f"the floor's manifest {seq} was there already")
-        promotions.append(promoter.submit(promote, seq, window))
+        if promote:
+            promotions.append(promoter.submit(copy_to_blobs, seq, window))
         for _sha, _body, fut in window:
             fut.set_result(seq)
 
@@ -341,10 +418,16 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
                            "ours_cpu_user_s": 0.0, "ours_cpu_system_s": 0.0,
                            "ours_roles_s": dict.fromkeys(ROLES, 0.0),
                            "floor_s": [], "floor_cpu_s": 0.0,
+                           "packed_s": [], "packed_cpu_s": 0.0,
+                           "async_s": [], "async_lat": [], "async_cpu_s": 0.0,
+                           "async_flush_s": [],
                            # the machine's busy cores times seconds, while each side ran
-                           "ours_busy_s": 0.0, "floor_busy_s": 0.0, "busy_known": True}
-    logs = {name: _open(root(name), **open_kw) for name in ("ours", "ref")}
-    for fn in (_grouped, _one_by_one):  # warm-up, untimed (first Arrow conversions)
+                           "ours_busy_s": 0.0, "floor_busy_s": 0.0, "packed_busy_s": 0.0,
+                           "async_busy_s": 0.0, "busy_known": True}
+    names = ("ours", "ref", "async") if floor else ("ours", "ref")
+    logs = {name: _open(root(name), **open_kw) for name in names}
+    # warm-up, untimed (the first Arrow conversion imports pandas: 0.2 s)
+    for fn in (_grouped, _one_by_one, _grouped_async) if floor else (_grouped, _one_by_one):
         fn(_open(root(f"warm-{fn.__name__}"), **open_kw), 1)
     if floor:
         _floor(root("warm-floor"), 1)
@@ -359,11 +442,12 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
             sides: list[tuple[str, Any, int]] = [("ours", _grouped, per_ours),
                                                  ("ref", _one_by_one, per_ref)]
             if floor:
-                sides.append(("floor", _floor, per_ours))
+                sides += [("floor", _floor, per_ours), ("async", _grouped_async, per_ours),
+                          ("packed", functools.partial(_floor, promote=False), per_ours)]
             turn = i % len(sides)
             for name, fn, per in sides[turn:] + sides[:turn]:
-                if name == "floor":
-                    d = fn(root(f"floor{i}"), per)
+                if name in ("floor", "packed"):
+                    d = fn(root(f"{name}{i}"), per)
                 else:
                     log = logs[name]
                     head = log.head_seq
@@ -373,9 +457,14 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
                         out["busy_known"] = False
                     else:
                         out[f"{name}_busy_s"] += d.busy_cores * d.wall
-                if name == "floor":
-                    out["floor_s"].append(d.wall)
-                    out["floor_cpu_s"] += d.user + d.system
+                if name in ("floor", "packed", "async"):
+                    out[f"{name}_s"].append(d.wall)
+                    out[f"{name}_cpu_s"] += d.user + d.system
+                    if name == "async":  # its promotions end before the next side runs
+                        out["async_lat"] += d.lat
+                        t0 = time.perf_counter()
+                        log.flush()
+                        out["async_flush_s"].append(time.perf_counter() - t0)
                     continue
                 t0 = time.perf_counter()
                 log.flush()  # promotion: off the commit's path, but it must keep up
@@ -399,10 +488,11 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     out["system_us_per_record"] = out["ours_cpu_system_s"] / records * 1e6
     out["roles_us_per_record"] = {role: cpu / records * 1e6
                                   for role, cpu in out["ours_roles_s"].items()}
-    if floor:
-        out["floor"] = n * per_ours * reps / sum(out["floor_s"])
-        out["floor_cpu_us_per_record"] = out["floor_cpu_s"] / records * 1e6
-    for side in ("ours", "floor") if floor else ("ours",):  # the machine's, on average
+    extra = ("floor", "packed", "async") if floor else ()
+    for side in extra:
+        out[side] = n * per_ours * reps / sum(out[f"{side}_s"])
+        out[f"{side}_cpu_us_per_record"] = out[f"{side}_cpu_s"] / records * 1e6
+    for side in ("ours", *extra):  # the machine's, on average
         out[f"{side}_busy_cores"] = (out[f"{side}_busy_s"] / sum(out[f"{side}_s"])
                                      if out["busy_known"] else None)
     for side, per in (("ours", per_ours), ("ref", per_ref)):  # until promoted, too
@@ -465,9 +555,26 @@ def _compared(ctx: Ctx, name: str, title: str, m: dict[str, Any], where: str) ->
             f"blobs/): {fmt_rate(m['floor'], 'events/s')} "
             f"({m['floor_cpu_us_per_record']:.0f} us CPU per record{busy('floor')}), "
             f"ours at {m['ours'] / m['floor']:.0%} of it")
+        floor_text += (
+            "; the same bare writer with each body left in its window's pack for good (no "
+            f"file per body in blobs/, a format this log does not have): "
+            f"{fmt_rate(m['packed'], 'events/s')} ({m['packed_cpu_us_per_record']:.0f} us "
+            f"CPU per record{busy('packed')})")
+        async_p99 = percentile(m["async_lat"], 0.99)
+        floor_text += (
+            f"; the same producers as {PRODUCERS} asyncio tasks on one event loop "
+            f"(arecord): {fmt_rate(m['async'], 'events/s')} (p99 {fmt_time(async_p99)}; "
+            f"{m['async_cpu_us_per_record']:.0f} us CPU per record{busy('async')})")
         extra |= {"floor_events_per_s": m["floor"], "t_floor_s": m["floor_s"],
                   "floor_cpu_us_per_record": m["floor_cpu_us_per_record"],
-                  "floor_busy_cores": m["floor_busy_cores"]}
+                  "floor_busy_cores": m["floor_busy_cores"],
+                  "packed_events_per_s": m["packed"], "t_packed_s": m["packed_s"],
+                  "packed_cpu_us_per_record": m["packed_cpu_us_per_record"],
+                  "packed_busy_cores": m["packed_busy_cores"],
+                  "async_events_per_s": m["async"], "t_async_s": m["async_s"],
+                  "async_p99_s": async_p99,
+                  "async_cpu_us_per_record": m["async_cpu_us_per_record"],
+                  "async_busy_cores": m["async_busy_cores"]}
     return _result(ctx, name, title, ours=m["ours"], reference=m["ref"],
                    ratio=ratio, unit="events/s", ref_unit="events/s",
                    ours_text=fmt_rate(m["ours"], "events/s") + f" (p99 {fmt_time(p99)})",
