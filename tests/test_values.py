@@ -10,6 +10,7 @@ import os
 import uuid
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
+from enum import IntEnum
 from typing import Any
 
 import fsspec
@@ -66,6 +67,10 @@ EVENT_CASES = [  # (event, field, words of the message naming the limit)
     (AttemptDispatched(T, "r", 2**63, "s", 0, 1), "branch_id", "[0, 2**63 - 1]"),
     (AttemptDispatched(T, "r", 0, "s", 2**64, 1), "step_index", "[0, 2**63 - 1]"),
     (BranchForked(T, "r", 1, 0, 2**63), "fork_step_index", "[0, 2**63 - 1]"),
+    # what reads like an int and is not one says what it is
+    (AttemptDispatched(T, "r", 0, "s", True, 1), "step_index", "got True (bool, not int)"),
+    (AttemptDispatched(T, "r", 0, "s", 0, IntEnum("N", "ONE").ONE), "attempt_no",
+     "got <N.ONE: 1> (N, not int)"),
     (VerdictRecorded(T, "r", 0, "v@1", 2**63, True), "snapshot_lsn", "[1, 2**63 - 1]"),
     (_finished(usage=Usage(input_tokens=2**63)), "usage.input_tokens", "[0, 2**63 - 1]"),
     (_finished(usage=Usage(reasoning_tokens=2**70)), "usage.reasoning_tokens", "2**63 - 1"),

@@ -59,7 +59,10 @@ def strs_problem(v: Any) -> str | None:
 def int_problem(v: Any, minimum: int) -> str | None:
     """Why ``v`` is not an int in ``[minimum, 2**63 - 1]`` (None when it is)."""
     if type(v) is not int or v < minimum or v > INT64_MAX:
-        return f"must be an int in [{minimum}, 2**63 - 1], got {_short(v)}"
+        # a bool, an int subclass or numpy's int64 reads like an int: say what it is
+        kind = (f" ({type(v).__name__}, not int)"
+                if type(v) is not int and hasattr(type(v), "__index__") else "")
+        return f"must be an int in [{minimum}, 2**63 - 1], got {_short(v)}{kind}"
     return None
 
 
