@@ -411,8 +411,9 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
     pooled over the rounds. Each side records into one log through its rounds, as a
     long-running engine does: its later rounds cross the checkpoints its commits owe
     (every ``checkpoint_interval``-th seq), which a fresh log per round, about 70 commits,
-    never reached. ``floor``: a third side in the rounds, the bare writer of ``_floor``
-    (local disk only)."""
+    never reached. ``floor`` (local disk only): three more sides in the rounds, the bare
+    writer of ``_floor``, the same with every body left in its pack (``promote=False``),
+    and the producers as asyncio tasks through ``arecord`` (``_grouped_async``)."""
     out: dict[str, Any] = {"ours_s": [], "ref_s": [], "ours_lat": [], "ref_lat": [],
                            "commits": [], "ours_flush_s": [], "ref_flush_s": [],
                            "ours_cpu_user_s": 0.0, "ours_cpu_system_s": 0.0,
@@ -420,7 +421,6 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
                            "floor_s": [], "floor_cpu_s": 0.0,
                            "packed_s": [], "packed_cpu_s": 0.0,
                            "async_s": [], "async_lat": [], "async_cpu_s": 0.0,
-                           "async_flush_s": [],
                            # the machine's busy cores times seconds, while each side ran
                            "ours_busy_s": 0.0, "floor_busy_s": 0.0, "packed_busy_s": 0.0,
                            "async_busy_s": 0.0, "busy_known": True}
@@ -460,11 +460,9 @@ def _compare(root: Callable[[str], str], per_ours: int, per_ref: int,
                 if name in ("floor", "packed", "async"):
                     out[f"{name}_s"].append(d.wall)
                     out[f"{name}_cpu_s"] += d.user + d.system
-                    if name == "async":  # its promotions end before the next side runs
+                    if name == "async":
                         out["async_lat"] += d.lat
-                        t0 = time.perf_counter()
-                        log.flush()
-                        out["async_flush_s"].append(time.perf_counter() - t0)
+                        log.flush()  # its promotions end before the next side runs
                     continue
                 t0 = time.perf_counter()
                 log.flush()  # promotion: off the commit's path, but it must keep up
@@ -519,7 +517,8 @@ def _result(ctx: Ctx, name: str, title: str, **kw: Any) -> Result:
 def group_commit(ctx: Ctx) -> Result:
     """64 producer threads, each recording single attempts (2 events + a 4 KB prompt) one
     after the other and waiting for each to be durable, through one recorder on a durable
-    local log; the reference is the same producers each committing its own transaction."""
+    local log; the reference is the same producers each committing its own transaction.
+    The note adds the bare writers of ``_floor`` and the producers as asyncio tasks."""
     return _compared(ctx, "group_commit", "group commit", _local(ctx),
                      f"{PRODUCERS} threads, durable local disk")
 
