@@ -644,12 +644,10 @@ def reduce(larger_than: Annotated[int | None, typer.Option(
             fail(f"--ref {s!r} must be TENANT/SHA256/SIZE")
         r = check_ref(BlobRef(parts[0], parts[1], int(parts[2])), "--ref")
         refs[(r.tenant, r.sha256)] = r
-    if larger_than is not None:
-        t = log.read_events()
-        for col in ("prompt", "output"):
-            for d in t.column(col).drop_null().to_pylist():
-                if d["size"] > larger_than:
-                    refs[(d["tenant"], d["sha256"])] = BlobRef(**d)
+    if larger_than is not None:  # one segment at a time, never the whole log
+        from poimen_data.jobs._maint import bodies_larger_than
+
+        refs.update(((r.tenant, r.sha256), r) for r in bodies_larger_than(log, larger_than))
     todo = [refs[k] for k in sorted(refs)]
     if dry_run or not todo:
         data = {"would_reduce": len(todo), "bytes": sum(r.size for r in todo)}
@@ -671,22 +669,14 @@ def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits
          root: Root = DEFAULT_ROOT, as_json: Json = False) -> None:
     """List commits: seq, LSN range, kind, events, bytes written, time."""
     log = open_root(root, read_only=True)
-    rows = []
-    for m in log.manifests():
-        seg = sum(s.size for s in m.segments)
-        blobs = [b for b in m.blobs if b.staged is not None]
-        rows.append({"seq": m.seq, "first_lsn": m.first_lsn if m.n_events else None,
-                     "last_lsn": m.last_lsn if m.n_events else None, "kind": m.kind,
-                     "events": m.n_events, "blobs": len(blobs),
-                     "bytes": seg + sum(b.size for b in blobs), "ts": m.ts})
-    shown = rows[-limit:]
+    total, shown = commit_rows(log, limit)
     for (tenant, sha), seq in sorted(log.lost_bodies().items()):
         err.print(f"warning: body {tenant}/{sha} committed at seq {seq} is lost (missing "
                   "from staging and blobs/); reading it fails", markup=False)
     if as_json:
         emit_json(shown)
         return
-    t = titled(f"{log.root}: {len(rows)} commits, head LSN {log.head}")
+    t = titled(f"{log.root}: {total} commits, head LSN {log.head}")
     for c in ("seq", "lsn", "kind", "events", "new blobs", "bytes", "time (UTC)"):
         t.add_column(c, justify="right" if c in ("seq", "events", "new blobs", "bytes")
                      else "left")
@@ -695,8 +685,26 @@ def log_(limit: Annotated[int, typer.Option(min=1, help="Show the last N commits
         t.add_row(str(r["seq"]), lsn, r["kind"], str(r["events"]), str(r["blobs"]),
                   f"{r['bytes']:,}", r["ts"][:23].replace("T", " "))
     out.print(t)
-    if len(rows) > limit:
-        out.print(f"({len(rows) - limit} older commits not shown; --limit)")
+    if total > limit:
+        out.print(f"({total - limit} older commits not shown; --limit)")
+
+
+def commit_rows(log: Any, limit: int) -> tuple[int, list[dict[str, Any]]]:
+    """(commits in all, the last ``limit`` of them as rows) for ``poimen log``: seqs are
+    gapless from 1 and manifests immutable, so only those ``limit`` manifests are read,
+    however long the log (it read every one, a GET each on S3, to show the last 30)."""
+    total = log.head_seq
+    rows = []
+    for m in log.manifests(since_seq=max(0, total - limit)):
+        if m.seq > total:  # published since the look at the head
+            break
+        seg = sum(s.size for s in m.segments)
+        blobs = [b for b in m.blobs if b.staged is not None]
+        rows.append({"seq": m.seq, "first_lsn": m.first_lsn if m.n_events else None,
+                     "last_lsn": m.last_lsn if m.n_events else None, "kind": m.kind,
+                     "events": m.n_events, "blobs": len(blobs),
+                     "bytes": seg + sum(b.size for b in blobs), "ts": m.ts})
+    return total, rows
 
 
 @command("bench", "poimen bench --quick --json bench.json")

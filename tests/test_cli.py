@@ -187,6 +187,14 @@ def test_log_lists_commits(demo_root) -> None:
     assert [x["seq"] for x in rows] == [n - 2, n - 1, n]
     with_events = [x for x in rows if x["events"]]
     assert with_events[-1]["last_lsn"] == log.head
+    # only the last three manifests are read, however long the log (it read all n)
+    fresh = pdm.open_log(root, create=False)
+    before = dict(fresh.storage.calls)
+    total, got = cli.commit_rows(fresh, 3)
+    assert (total, got) == (n, rows)
+    used = {k: v - before.get(k, 0) for k, v in fresh.storage.calls.items()
+            if v != before.get(k, 0)}
+    assert used == {"read": 5}, used  # seq n + 1 probed twice (the head, then the end)
 
 
 def test_materialize_check_grade_export(demo_root, tmp_path: Path) -> None:

@@ -204,8 +204,12 @@ PEAK = ("int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))
 JOBS_CHILD = f"""
 import json, sys
 import poimen_data as pdm
-root, budget, out = sys.argv[1:4]
+from poimen_data.jobs._maint import bodies_larger_than
+root, budget, out, atif = sys.argv[1:5]
 k = pdm.compact(root)  # rewrites every small segment
+imported = pdm.import_atif(root, [atif], tenant="acme")  # looks for its run id in the log
+again = pdm.import_atif(root, [atif], tenant="acme")  # finds it there: adds nothing
+big = bodies_larger_than(root, 0)  # poimen reduce --larger-than 0: every body's ref
 one = pdm.episode(root, "run-000007-x3", source="log")
 def looked(ctx):  # reads its snapshot, so every snapshot is built
     return pdm.Verdict(passed=len(ctx.episode.branches) > 0)
@@ -213,7 +217,9 @@ looked.name = "looked"
 g = pdm.grade(root, [looked], memory_limit=budget)  # snapshots folded from the log
 e = pdm.export_live(root, out, format="parquet", source="log", memory_limit=budget)
 print(json.dumps({{"graded": g.runs_graded, "exported": e.records, "episode": one.run_id,
-                  "compacted": [k.rewritten, k.segments_after], "rss": {PEAK}}}))
+                  "compacted": [k.rewritten, k.segments_after],
+                  "imported": [list(imported.runs), list(again.runs), list(again.skipped)],
+                  "big": sorted(r.sha256 for r in big), "rss": {PEAK}}}))
 """
 #: ... and the state and SQL over it in another (each process keeps some of what its
 #: allocators got back, so one child running everything would add the jobs' peaks up).
@@ -236,10 +242,11 @@ print(json.dumps({{"ok": c.ok, "full": r.full, "runs": r.runs_folded, "same": co
 
 @pytest.mark.slow
 def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> None:
-    """compact, episode (from the log), grade, export_live (a cold fold), materialize,
-    check, export_live from the state, and connect + a query (a fold of the log, then the
-    state), in two children, on
-    events taking several times the budget in Arrow: each one's peak RSS stays bounded."""
+    """compact, import_atif (twice: the second finds its run), the refs ``poimen reduce
+    --larger-than`` picks, episode (from the log), grade, export_live (a cold fold),
+    materialize, check, export_live from the state, and connect + a query (a fold of the
+    log, then the state), in two children, on events taking several times the budget in
+    Arrow: each one's peak RSS stays bounded."""
     root = tmp_path / "log"
     log = pdm.open_log(root, durable=False)
     table = synth.events_table(2_000_000, seed=3)
@@ -257,11 +264,17 @@ def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> No
                            f"poimen_data; print({PEAK})"],
                           capture_output=True, text=True, check=True)
     baseline = int(base.stdout)
+    atif = tmp_path / "one.atif.json"  # one trajectory: one agent step, two bodies
+    atif.write_text(json.dumps({
+        "schema_version": "ATIF-v1.8", "session_id": "s-1",
+        "agent": {"name": "outside", "version": "1"},
+        "steps": [{"step_id": 1, "source": "user", "message": "add 2 and 2"},
+                  {"step_id": 2, "source": "agent", "message": "4"}]}))
     got: dict[str, Any] = {}
     peaks = []
     for child in (JOBS_CHILD, MEMORY_CHILD):
         out = subprocess.run([sys.executable, "-c", child, str(root), f"{budget}B",
-                              str(tmp_path / "export.parquet")],
+                              str(tmp_path / "export.parquet"), str(atif)],
                              capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
         got |= json.loads(out.stdout.strip().splitlines()[-1])
@@ -273,6 +286,13 @@ def test_every_read_path_stays_within_a_bound_tied_to_the_budget(tmp_path) -> No
     assert hashlib.sha256(export.read_bytes()).hexdigest() == \
         hashlib.sha256(Path(f"{export}.state").read_bytes()).hexdigest()
     assert got["compacted"] == [100, 20] and got["episode"] == "run-000007-x3"
+    (run_id,), again, skipped = got["imported"]
+    assert again == [] and skipped == [run_id] and run_id.startswith("atif-")
+    bodies = pdm.open_log(root).blobs  # the synthetic events have no bodies: only its two
+    ep = pdm.episode(root, run_id, source="log")
+    (attempt,) = [a for b in ep.branches for a in b.attempts]
+    assert got["big"] == sorted([attempt.prompt.sha256, attempt.output.sha256])
+    assert bodies.get(attempt.output) is not None
     # DuckDB's budget, about as much again for Arrow batches in flight and parquet encoders,
     # plus slack: below the events' Arrow size on top of the baseline (measured: 2.4x)
     bound = baseline + 5 * budget // 2 + (64 << 20)

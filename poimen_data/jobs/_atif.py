@@ -347,11 +347,11 @@ def import_atif(log: LogLike, paths: Iterable[str | os.PathLike[str]], *,
         except OSError as exc:
             raise ValidationError(f"{path}: cannot read ({exc.strerror or exc})") from None
         docs.extend((w, _validate(w, d)) for w, d in _read_docs(path, data))
-    have = _existing_runs(log)
+    ids = ["atif-" + hashlib.sha256(_canonical(doc)).hexdigest()[:32] for _, doc in docs]
+    have = _existing_runs(log, ids)
     todo: dict[str, tuple[str, dict[str, Any]]] = {}
     skipped: list[str] = []
-    for where, doc in docs:
-        run_id = "atif-" + hashlib.sha256(_canonical(doc)).hexdigest()[:32]
+    for run_id, (where, doc) in zip(ids, docs, strict=True):
         if run_id in have or run_id in todo:
             skipped.append(run_id)
         else:
@@ -367,12 +367,18 @@ def import_atif(log: LogLike, paths: Iterable[str | os.PathLike[str]], *,
                         info.last_lsn if info is not None else None)
 
 
-def _existing_runs(log: Any) -> set[str]:
+def _existing_runs(log: Any, run_ids: Sequence[str]) -> set[str]:
+    """Which of ``run_ids`` the log has started: a scan of two columns, one segment at a
+    time, keeping those runs' rows only (never the whole log in memory)."""
     import pyarrow.compute as pc
 
-    events = log.read_events()
-    started = events.filter(pc.equal(events.column("kind"), "run_started"))
-    return {r for r in started.column("run_id").to_pylist() if r.startswith("atif-")}
+    have: set[str] = set()
+    if not run_ids:
+        return have
+    for batch in log.scan(columns=["kind", "run_id"], run_ids=sorted(set(run_ids))):
+        started = batch.filter(pc.equal(batch.column("kind"), "run_started"))
+        have.update(started.column("run_id").to_pylist())
+    return have
 
 
 def _record(tx: Any, tenant: str, run_id: str, where: str, doc: dict[str, Any]) -> int:

@@ -160,6 +160,27 @@ def reduce(
                         info.last_lsn if info and info.seq and done else None)
 
 
+def bodies_larger_than(log: LogLike, size: int, *,
+                       storage_options: dict[str, Any] | None = None) -> list[ev.BlobRef]:
+    """Every distinct body ref (prompt or output) of the log larger than ``size`` bytes,
+    sorted by (tenant, sha256): what ``poimen reduce --larger-than`` reduces. Reads the
+    log one segment at a time, the two ref columns only (memory: the refs found, not the
+    log)."""
+    import pyarrow.compute as pc
+
+    if not is_count(size):
+        raise ValidationError(f"bodies_larger_than: size must be a count of bytes, got "
+                              f"{short_repr(size)}")
+    log = as_log(log, storage_options=storage_options)
+    found: dict[tuple[str, str], ev.BlobRef] = {}
+    for batch in log.scan(columns=["prompt", "output"]):
+        for col in batch.columns:
+            big = pc.fill_null(pc.greater(pc.struct_field(col, "size"), size), False)
+            for d in col.filter(big).to_pylist():
+                found[(d["tenant"], d["sha256"])] = ev.BlobRef(**d)
+    return [found[k] for k in sorted(found)]
+
+
 # --- vacuum ----------------------------------------------------------------------------
 
 
