@@ -164,8 +164,9 @@ class LocalStorage(Storage):
         if not os.path.isdir(base):
             return
         for dirpath, _dirs, files in os.walk(base):
+            where = os.path.relpath(dirpath, self.root)  # once a directory, not a file
             for name in files:
-                yield os.path.relpath(os.path.join(dirpath, name), self.root)
+                yield name if where == "." else f"{where}/{name}"
 
     def list_dir(self, rel: str) -> list[str]:
         self.calls["list"] += 1
