@@ -53,3 +53,6 @@ HASH_POOL = BackgroundPool("poimen-hash", 1)
 # Bodies copied out of a recorder window's pack at its promotion, on an object store: one
 # PUT each, this many at a time (the promotions themselves stay one at a time, in order).
 PIECE_POOL = BackgroundPool("poimen-piece", 16)
+# Directory listings of a maintenance walk (``Storage.walk_files``), a few at once; its
+# tasks never walk themselves, so they never wait on this pool.
+LIST_POOL = BackgroundPool("poimen-list", 8)
