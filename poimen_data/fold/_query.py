@@ -393,8 +393,9 @@ def run_tables(log: EventLog, run_id: str, *, at_lsn: int,
     (through the run index), else by folding it from the log. A point read: never a
     scan of a whole table."""
     ptr = usable_pointer(log)
-    if ptr is None or ptr.lsn > at_lsn:
-        return _fold_run(log, run_id, at_lsn=at_lsn, names=names)
+    if ptr is None or ptr.lsn > at_lsn:  # before the state: its run index still bounds
+        return _fold_run(log, run_id, at_lsn=at_lsn, names=names,  # where the run starts
+                         min_lsn=first_lsn_bound(log, ptr, run_id, at_lsn=at_lsn))
     try:
         if ptr.lsn < at_lsn:
             newer = log.scan(at_lsn, ptr.lsn + 1, columns=("run_id",), run_ids=[run_id])
@@ -405,6 +406,39 @@ def run_tables(log: EventLog, run_id: str, *, at_lsn: int,
         return _state_run(log, ptr, run_id, names)
     except (CorruptionError, StateChanged):  # damaged, or replaced while read: the log
         return _fold_run(log, run_id, at_lsn=at_lsn, names=names)
+
+
+def first_lsn_bound(log: EventLog, ptr: Pointer | None, run_id: str, *, at_lsn: int) -> int:
+    """An LSN at or below the run's first event, from the state's run index (which has
+    every run with an event by the state's LSN, with its first LSN): what a read of this
+    run at ``at_lsn`` need not scan below. ``at_lsn + 1`` when the run has no event by
+    then (a scan from there reads nothing); 1 without a usable state, or a damaged one."""
+    if ptr is None:
+        return 1
+    try:
+        where = _locate(log, ptr, run_id)
+    except (CorruptionError, StateChanged):
+        return 1
+    if where is not None:
+        return min(where[1], at_lsn + 1)
+    return at_lsn + 1 if ptr.lsn >= at_lsn else ptr.lsn + 1
+
+
+def run_labels(log: LogLike, run_id: str, *, at_lsn: int | None = None
+               ) -> list[tuple[str, str]]:
+    """The labels of the run's last ``run_started`` at ``at_lsn`` (the head), sorted: a
+    scan of the run's events from its first (through the state's run index), two
+    columns kept. (The viewer asked the ``events`` view: a scan of the whole log.)"""
+    log = as_log(log)
+    check_run_id(run_id, "run_labels")
+    at = resolve_lsn(log, at_lsn)
+    lo = first_lsn_bound(log, usable_pointer(log), run_id, at_lsn=at)
+    last: Any = None
+    for b in log.scan(at, lo, columns=("kind", "labels"), run_ids=[run_id]):
+        started = b.filter(pc.equal(b.column("kind"), "run_started"))
+        if started.num_rows:
+            last = started.column("labels")[started.num_rows - 1].as_py()
+    return sorted(last or ())
 
 
 def episode_auto(log: EventLog, run_id: str, *, at_lsn: int,

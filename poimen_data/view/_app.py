@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from poimen_data.errors import NotFound, PoimenError, ValidationError
 from poimen_data.fold._connect import connect
-from poimen_data.fold._query import episode, one_episode, run_tables
+from poimen_data.fold._query import episode, one_episode, run_labels, run_tables
 from poimen_data.log._blobs import BlobStore
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import check_run_id
@@ -293,8 +293,7 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
     def labels_part(request: Request) -> Response:
         run_id = request.path_params["run_id"]
         check_run_id(run_id, "view")
-        with viewer.con(viewer.reading(request).lsn) as con:
-            labels = ep.run_labels(con, run_id)
+        labels = run_labels(viewer.log, run_id, at_lsn=viewer.reading(request).lsn)
         return render(request, "_labels.html", labels=labels)
 
     def attempt_target(request: Request) -> tuple[Any, Any, int, Reading]:

@@ -122,16 +122,6 @@ def run_facts(tables: Mapping[str, pa.Table]) -> dict[str, Any]:
             "recovered": {(int(b), str(s), int(n)) for b, s, n in recovered}}
 
 
-def run_labels(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str, str]]:
-    """The labels of the run's (last) run_started: a scan of ``events``, so the episode
-    page asks for them only when the user opens them."""
-    rows = con.execute("SELECT lsn, labels FROM events WHERE run_id = $r AND "
-                       "kind = 'run_started'", {"r": run_id}).fetchall()
-    if not rows:
-        return []
-    return sorted((max(rows, key=lambda r: r[0])[1] or {}).items())
-
-
 def find_attempt(view: EpisodeView, branch_id: int, step: str, attempt: int) -> AttemptView:
     for b in view.branches:
         if b.branch_id == branch_id:

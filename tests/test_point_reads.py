@@ -1,0 +1,61 @@
+"""A read of one run at an LSN before the materialized state starts at the run's first
+event (the state's run index says where), never at LSN 1: proven by damaging the log's
+first segments, which such a read must not touch, and comparing with the answers given
+before the damage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import poimen_data as pdm
+from poimen_data import events as ev
+from poimen_data.errors import CorruptionError
+from poimen_data.fold._query import run_labels
+
+
+def _runs(log: pdm.EventLog, first: int, last: int) -> dict[int, int]:
+    """Runs first..last, one commit each (one segment each); each run's commit LSN."""
+    at = {}
+    for i in range(first, last + 1):
+        with log.transaction() as tx:
+            tx.append(ev.RunStarted("acme", f"run-{i:03d}", "wf", {"i": str(i)}))
+            tx.append(ev.AttemptDispatched("acme", f"run-{i:03d}", 0, "s", 0, 1))
+            tx.append(ev.AttemptFinished("acme", f"run-{i:03d}", 0, "s", 1, "succeeded"))
+        at[i] = log.head
+    return at
+
+
+def _damage_first_segments(log: pdm.EventLog, n: int, root: Path) -> None:
+    for s in sorted(log.segments(), key=lambda s: s.first_lsn)[:n]:
+        path = root / s.path
+        path.write_bytes(b"\0" * path.stat().st_size)  # same size, other bytes
+
+
+def test_one_run_before_the_state_is_read_from_its_first_event(tmp_path: Path) -> None:
+    root = tmp_path / "log"
+    log = pdm.open_log(root)
+    at = _runs(log, 1, 40)
+    pdm.materialize(log)  # the state at the head: every read below is before it
+    at |= _runs(log, 41, 42)  # and a tail after it
+    asks = [("run-030", at[35]), ("run-030", at[30]), ("run-012", at[20]),
+            ("run-041", at[42]), ("run-030", None)]
+    before = {(r, lsn): (pdm.episode(log, r, at_lsn=lsn, all_branches=True),
+                         run_labels(log, r, at_lsn=lsn)) for r, lsn in asks}
+    assert before[("run-030", at[35])][1] == [("i", "30")]
+    assert len(before[("run-030", at[35])][0].branches[0].attempts) == 1
+    _damage_first_segments(log, 10, root)  # runs 1..10 unreadable now
+    fresh = pdm.open_log(root)
+    for (r, lsn), (view, labels) in before.items():
+        assert pdm.episode(fresh, r, at_lsn=lsn, all_branches=True) == view, (r, lsn)
+        assert run_labels(fresh, r, at_lsn=lsn) == labels, (r, lsn)
+    # a run that had not started by then: nothing, without reading a segment for it
+    assert run_labels(fresh, "run-038", at_lsn=at[35]) == []
+    with pytest.raises(pdm.NotFound):
+        pdm.episode(fresh, "run-038", at_lsn=at[35])
+    # the damage is real: a read of a damaged run, and one from the log, say so
+    with pytest.raises(CorruptionError):
+        run_labels(fresh, "run-005", at_lsn=at[35])
+    with pytest.raises(CorruptionError):
+        pdm.episode(fresh, "run-030", at_lsn=at[35], source="log")
