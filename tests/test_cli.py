@@ -290,6 +290,8 @@ def test_maintenance_commands(tmp_path: Path) -> None:
     big = s.max_body - 1
     r = poimen("reduce", "--larger-than", str(big), "--dry-run", "--root", root)
     assert r.stdout == f"would reduce 1 bodies, {s.max_body:,} bytes\n"
+    r = poimen("reduce", "--larger-than", str(2**63), "--dry-run", "--root", root)
+    assert (r.exit_code, r.stdout) == (0, "would reduce 0 bodies, 0 bytes\n")  # past int64
     r = poimen("reduce", "--larger-than", str(big), "--keep", "64", "--root", root, "--json")
     rep = json.loads(r.stdout)
     assert len(rep["reduced"]) == 1 and rep["bytes_freed"] == s.max_body

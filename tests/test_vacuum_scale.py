@@ -11,10 +11,12 @@ import hashlib
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import Root
+from conftest import BUCKET, Root
 
 import poimen_data as pdm
 from poimen_data import events as E
@@ -73,6 +75,26 @@ def test_vacuum_sorts_what_it_finds_under_blobs(root: Root) -> None:
     assert again.blobs.get(a) == b"the kept body"
     assert again.blobs.get(summary) == b"summary"
     assert again.blobs.get(b) is None
+
+
+def test_a_walk_asks_the_store_even_with_s3fs_listings_cache_on(s3: Any) -> None:
+    """Vacuum lists, then reads the manifests: a listing served from s3fs's cache (a
+    caller may turn it on) would miss a file written since and name one deleted."""
+    import boto3
+
+    from poimen_data.storage._open import open_storage
+
+    prefix = f"walk-{uuid.uuid4().hex}"
+    st = open_storage(f"s3://{BUCKET}/{prefix}",
+                      {**s3.storage_options, "use_listings_cache": True})
+    c = boto3.client("s3", endpoint_url=s3.url, region_name="eu-west-1",
+                     aws_access_key_id="testing", aws_secret_access_key="testing")
+    c.put_object(Bucket=BUCKET, Key=f"{prefix}/state/pending/tok/a.parquet", Body=b"a")
+    assert sorted(st.walk_files("state")) == ["state/pending/tok/a.parquet"]
+    # another process writes a file and removes the first
+    c.put_object(Bucket=BUCKET, Key=f"{prefix}/state/pending/tok/b.parquet", Body=b"b")
+    c.delete_object(Bucket=BUCKET, Key=f"{prefix}/state/pending/tok/a.parquet")
+    assert sorted(st.walk_files("state")) == ["state/pending/tok/b.parquet"]
 
 
 BUILD = """

@@ -173,6 +173,7 @@ def bodies_larger_than(log: LogLike, size: int, *,
         raise ValidationError(f"bodies_larger_than: size must be a count of bytes, got "
                               f"{short_repr(size)}")
     log = as_log(log, storage_options=storage_options)
+    size = min(int(size), (1 << 63) - 1)  # sizes are int64: nothing is larger than that
     found: dict[tuple[str, str], ev.BlobRef] = {}
     for batch in log.scan(columns=["prompt", "output"]):
         for col in batch.columns:

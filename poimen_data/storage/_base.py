@@ -205,7 +205,12 @@ class Storage(ABC):
                 todo.extend(dirs)
 
     def _names_in(self, where: str, rel: str) -> tuple[list[str], list[str]]:
-        """(files as relative paths, subdirectories as full paths) right below ``where``."""
+        """(files as relative paths, subdirectories as full paths) right below ``where``:
+        always asked of the store (a cached listing, where a caller turned s3fs's
+        listings cache on, would break vacuum's "list first, then read the manifests").
+        A key ending in ``/`` (a folder marker another tool made) is no file here."""
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache(where)
         try:
             found = self._retrying(f"list {rel}", lambda: self.fs.ls(where, detail=True))
         except FileNotFoundError:
