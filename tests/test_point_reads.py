@@ -5,8 +5,10 @@ before the damage."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import duckdb
 import pytest
 
 import poimen_data as pdm
@@ -15,14 +17,17 @@ from poimen_data.errors import CorruptionError
 from poimen_data.fold._query import run_labels
 
 
-def _runs(log: pdm.EventLog, first: int, last: int) -> dict[int, int]:
-    """Runs first..last, one commit each (one segment each); each run's commit LSN."""
+def _runs(log: pdm.EventLog, first: int, last: int, verify: bool = False) -> dict[int, int]:
+    """Runs first..last, one commit each (one segment each), in verifying when
+    ``verify``; each run's commit LSN."""
     at = {}
     for i in range(first, last + 1):
         with log.transaction() as tx:
             tx.append(ev.RunStarted("acme", f"run-{i:03d}", "wf", {"i": str(i)}))
             tx.append(ev.AttemptDispatched("acme", f"run-{i:03d}", 0, "s", 0, 1))
             tx.append(ev.AttemptFinished("acme", f"run-{i:03d}", 0, "s", 1, "succeeded"))
+            if verify:
+                tx.append(ev.VerifyingEntered("acme", f"run-{i:03d}"))
         at[i] = log.head
     return at
 
@@ -59,3 +64,58 @@ def test_one_run_before_the_state_is_read_from_its_first_event(tmp_path: Path) -
         run_labels(fresh, "run-005", at_lsn=at[35])
     with pytest.raises(CorruptionError):
         pdm.episode(fresh, "run-030", at_lsn=at[35], source="log")
+
+
+class _Each:
+    """An attempt-scoped verifier: passes every succeeded attempt."""
+
+    name, version, scope = "each", "1", "attempt"
+
+    def __call__(self, ctx: pdm.VerifierCtx) -> pdm.Verdict:
+        return pdm.Verdict(passed=True, detail=f"{ctx.step}#{ctx.attempt}")
+
+
+def _whole(ctx: pdm.VerifierCtx) -> pdm.Verdict:
+    return pdm.Verdict(passed=len(ctx.episode.branches) == 1)
+
+
+_whole.name = "whole"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("executor", ["here", "chunks", "dask"])
+def test_grading_late_runs_reads_the_log_from_their_first_event(tmp_path: Path,
+                                                                 executor: str) -> None:
+    """Snapshots of the runs to grade, and what an attempt-scoped verifier already
+    graded, are read from those runs' first events: grading runs 31..40 of a log whose
+    first ten segments are damaged grades them, once."""
+    root = tmp_path / "log"
+    log = pdm.open_log(root)
+    _runs(log, 1, 40, verify=True)
+    first = pdm.grade(log, [_whole], runs=[f"run-{i:03d}" for i in range(1, 31)])
+    assert first.runs_graded == 30
+    pdm.materialize(log)
+    _damage_first_segments(log, 10, root)
+    fresh = pdm.open_log(root)
+    late = [f"run-{i:03d}" for i in range(31, 41)]
+    chunk = 1000 if executor == "here" else 3
+    with contextlib.ExitStack() as stack:
+        client = None
+        if executor == "dask":  # chunks of 3 runs on a worker, each its own snapshots
+            distributed = pytest.importorskip("distributed")
+            cluster = stack.enter_context(distributed.LocalCluster(
+                n_workers=1, processes=False, threads_per_worker=1, dashboard_address=None))
+            client = stack.enter_context(distributed.Client(cluster))
+        got = pdm.grade(fresh, [_whole, _Each()], runs=late, chunk_runs=chunk,
+                        executor=client)
+        assert (got.runs_graded, got.verdicts_recorded, got.runs_passed) == (10, 20, 10)
+        again = pdm.grade(fresh, [_whole, _Each()], runs=late, chunk_runs=chunk,
+                          executor=client)  # all graded
+    assert (again.runs_graded, again.runs_skipped, again.verdicts_recorded) == (0, 10, 0)
+    with pdm.connect(fresh) as con:
+        assert con.sql("select verifier, count(*), bool_and(passed) from verdicts "
+                       "where run_id >= 'run-031' group by 1 order by 1").fetchall() == [
+            ("each@1", 10, True), ("whole@0", 10, True)]
+    # the damage is real: run-005's snapshot reads it (through a stream DuckDB reads,
+    # which hands the CorruptionError back as its own error)
+    with pytest.raises((CorruptionError, duckdb.Error), match="sha256 differs from its"):
+        pdm.grade(fresh, [_Each()], runs=["run-005"])

@@ -353,16 +353,18 @@ def full_passes(log: EventLog, lsn: int, groups: list[tuple[int, ...]], w: Write
 
 
 def spill_groups(con: duckdb.DuckDBPyConnection, log: EventLog, lsn: int,
-                 groups: list[tuple[int, ...]], parts: str, *, where: str = "") -> list[str]:
+                 groups: list[tuple[int, ...]], parts: str, *, where: str = "",
+                 min_lsn: int = 1) -> list[str]:
     """One scan of the segments up to ``lsn``: each event is spilled to the parquet
     partition of its group of buckets under the folder ``parts`` (DuckDB's partitioned
     COPY, bounded memory; ``con`` should not preserve insertion order, which makes it
     slow); events of no run go to group 0. ``where`` (SQL over the
     events, e.g. a semi-join on a table registered in ``con``) keeps only some. Returns
-    each group's folder, in order (``load_group`` reads one back)."""
+    each group's folder, in order (``load_group`` reads one back). ``min_lsn`` bounds
+    the scan from below."""
     group_of = {b: i for i, g in enumerate(groups) for b in g}
     cases = " ".join(f"WHEN {b} THEN {i}" for b, i in sorted(group_of.items()))
-    con.register("_scan", log.scan_events(lsn, batch_rows=BATCH_ROWS))
+    con.register("_scan", log.scan_events(lsn, min_lsn, batch_rows=BATCH_ROWS))
     # DuckDB buffers this many rows per thread before it writes them out by partition
     # (524,288 by default: wide events then overrun a small budget)
     con.execute(f"SET partitioned_write_flush_threshold = {SPILL_ROW_GROUP}")

@@ -10,7 +10,7 @@ what ``check()`` does for every episode (and for every state file, by sha256).
 from __future__ import annotations
 
 import html
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -21,7 +21,14 @@ import pyarrow.compute as pc
 
 from poimen_data.errors import CorruptionError, NotFound, StateChanged, ValidationError
 from poimen_data.fold._fold import SOURCES, Source, fold_tables, run_events
-from poimen_data.fold._state import INDEX, Pointer, read_run, table_schemas, usable_pointer
+from poimen_data.fold._state import (
+    INDEX,
+    Pointer,
+    read_run,
+    read_runs,
+    table_schemas,
+    usable_pointer,
+)
 from poimen_data.log._log import EventLog, LogLike, as_log
 from poimen_data.model._events import (
     COST_QUANTUM,
@@ -422,6 +429,27 @@ def first_lsn_bound(log: EventLog, ptr: Pointer | None, run_id: str, *, at_lsn: 
     if where is not None:
         return min(where[1], at_lsn + 1)
     return at_lsn + 1 if ptr.lsn >= at_lsn else ptr.lsn + 1
+
+
+def first_lsns(log: EventLog, run_ids: Sequence[str]) -> dict[str, int]:
+    """``first_lsn_bound`` for many runs at once (one read of the run index): for each,
+    an LSN at or below its first event; ``ptr.lsn + 1`` for a run the index lacks (no
+    event by the state's LSN); 1 for all without a usable state with a run index, or
+    with a damaged one."""
+    out = dict.fromkeys(run_ids, 1)
+    ptr = usable_pointer(log)
+    if ptr is None or not out or not ptr.tables.get(INDEX):
+        return out
+    want = pa.array(sorted(out), pa.string())
+    found: dict[str, int] = {}
+    try:
+        for f in ptr.tables[INDEX]:
+            t = read_runs(log, f, want, ptr)
+            found.update(zip(t.column("run_id").to_pylist(),
+                             t.column("first_lsn").to_pylist(), strict=True))
+    except (CorruptionError, StateChanged):
+        return out
+    return {r: found.get(r, ptr.lsn + 1) for r in out}
 
 
 def run_labels(log: LogLike, run_id: str, *, at_lsn: int | None = None

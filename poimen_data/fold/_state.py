@@ -208,6 +208,30 @@ def read_run(log: EventLog, f: FileEntry, run_id: str, ptr: Pointer | None = Non
     raise _missing(log, f)
 
 
+def read_runs(log: EventLog, f: FileEntry, run_ids: pa.Array, ptr: Pointer) -> pa.Table:
+    """The rows of some runs (a sorted string array) from a file sorted by run_id: only
+    the row groups whose statistics overlap them are read, pages checked by CRC."""
+    st = log.storage
+    lo, hi = run_ids[0].as_py(), run_ids[-1].as_py()
+    for rel in ptr.locations(f):
+        try:
+            with st.open_read(rel) as src, \
+                    pq.ParquetFile(src, page_checksum_verification=True) as pf:
+                col = pf.schema_arrow.get_field_index("run_id")
+                groups = []
+                for i in range(pf.metadata.num_row_groups):
+                    s = pf.metadata.row_group(i).column(col).statistics
+                    if s is None or not s.has_min_max or (s.min <= hi and lo <= s.max):
+                        groups.append(i)
+                t = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
+        except FileNotFoundError:
+            continue
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise CorruptionError(f"{st.url_of(rel)}: unreadable ({exc})") from None
+        return t.filter(pc.is_in(t.column("run_id"), run_ids))
+    raise _missing(log, f)
+
+
 def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
     return pa.concat_tables([t.cast(schema) for t in tables]) if tables \
         else schema.empty_table()
@@ -251,12 +275,13 @@ class _Build:
 
 
 def plan_groups(log: EventLog, lsn: int, budget: Budget,
-                passes: int | None) -> list[tuple[int, ...]]:
+                passes: int | None, min_lsn: int = 1) -> list[tuple[int, ...]]:
     """Buckets per pass: as many passes as it takes for a pass's events (their Arrow size,
-    about their segments' size) to take at most 1/``PASS_FACTOR`` of the budget (the
-    fold's hash tables of nested values need several times the events they read)."""
+    about their segments' size, from ``min_lsn`` to ``lsn``) to take at most
+    1/``PASS_FACTOR`` of the budget (the fold's hash tables of nested values need several
+    times the events they read)."""
     if passes is None:
-        size = sum(s.size for s in log.segments(lsn))
+        size = sum(s.size for s in log.segments(lsn, min_lsn))
         passes = -(-size * PASS_FACTOR // max(1, budget.memory_limit))
     n = max(1, min(B.N_BUCKETS, passes))
     return [tuple(range(g, B.N_BUCKETS, n)) for g in range(n)]

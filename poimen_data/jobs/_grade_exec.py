@@ -54,7 +54,8 @@ def _snapshots(log: EventLog, tasks: Sequence[GradeTask]) -> dict[str, EpisodeVi
     from poimen_data.fold._query import EPISODE_TABLES
 
     cut = {t.run_id: t.snapshot_lsn for t in tasks}
-    events = run_events(log, list(cut), at_lsn=max(cut.values()))
+    events = run_events(log, list(cut), at_lsn=max(cut.values()),
+                        min_lsn=min(t.first_lsn for t in tasks))
     # The mask is computed on two combined columns and applied with one take: a log of
     # many small commits has one chunk per commit, and per-chunk compute costs add up.
     slot = pc.index_in(events.column("run_id").combine_chunks(),
@@ -93,7 +94,8 @@ def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
     from poimen_data.fold._state import plan_groups
 
     lsn = max(t.snapshot_lsn for t in tasks)
-    groups = plan_groups(log, lsn, budget, None)
+    low = min(t.first_lsn for t in tasks)  # no task's run has an event below it
+    groups = plan_groups(log, lsn, budget, None, low)
     by_group: list[list[GradeTask]] = [[] for _ in groups]
     group_of = {b: i for i, g in enumerate(groups) for b in g}
     for t in tasks:
@@ -106,12 +108,13 @@ def _bucketed_snapshots(log: EventLog, tasks: Sequence[GradeTask], chunk: int,
             "run_id": pa.array([t.run_id for t in tasks], pa.string()),
             "snapshot_lsn": pa.array([t.snapshot_lsn for t in tasks], pa.int64())}))
         if len(groups) == 1:
-            con.register("_scan", log.scan_events(lsn, batch_rows=B.BATCH_ROWS))
+            con.register("_scan", log.scan_events(lsn, low, batch_rows=B.BATCH_ROWS))
             con.execute(f"CREATE TEMP TABLE _grade_group AS SELECT * FROM _scan {keep}")
             con.unregister("_scan")
             parts = None
         else:
-            parts = B.spill_groups(con, log, lsn, groups, f"{tmp}/parts", where=keep)
+            parts = B.spill_groups(con, log, lsn, groups, f"{tmp}/parts", where=keep,
+                                   min_lsn=low)
         for i, todo in enumerate(by_group):
             if not todo:
                 continue

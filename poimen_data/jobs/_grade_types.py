@@ -162,6 +162,9 @@ class GradeTask:
     snapshot_lsn: int
     todo: tuple[int, ...]
     done: frozenset[tuple[int, int, str, int]] = frozenset()
+    #: at or below the run's first event (the state's run index): its snapshot's fold
+    #: need not scan the log below it
+    first_lsn: int = 1
 
 
 # A verdict made: (run_id, verifier index, branch_id, passed, score, detail, errored,
