@@ -187,6 +187,21 @@ def read_file(log: EventLog, f: FileEntry, ptr: Pointer | None = None) -> pa.Tab
 def read_run(log: EventLog, f: FileEntry, run_id: str, ptr: Pointer | None = None) -> pa.Table:
     """The rows of one run from a file sorted by run_id: only the row groups whose
     statistics can hold it are read, and their pages are checked by CRC."""
+    t = _row_groups_between(log, f, run_id, run_id, ptr)
+    return t.filter(pc.equal(t.column("run_id"), run_id))
+
+
+def read_runs(log: EventLog, f: FileEntry, run_ids: pa.Array, ptr: Pointer) -> pa.Table:
+    """The rows of some runs (a sorted string array) from a file sorted by run_id, read
+    as ``read_run`` reads one."""
+    t = _row_groups_between(log, f, run_ids[0].as_py(), run_ids[-1].as_py(), ptr)
+    return t.filter(pc.is_in(t.column("run_id"), run_ids))
+
+
+def _row_groups_between(log: EventLog, f: FileEntry, lo: str, hi: str,
+                        ptr: Pointer | None) -> pa.Table:
+    """The row groups of ``f`` whose run_id statistics overlap ``[lo, hi]``, pages
+    checked by CRC, from where the file is (or went: ``ptr.locations``)."""
     st = log.storage
     places = ptr.locations(f) if ptr is not None else (f.path, prev_path(f.path))
     for rel in places:
@@ -197,38 +212,14 @@ def read_run(log: EventLog, f: FileEntry, run_id: str, ptr: Pointer | None = Non
                 groups = []
                 for i in range(pf.metadata.num_row_groups):
                     s = pf.metadata.row_group(i).column(col).statistics
-                    if s is None or not s.has_min_max or s.min <= run_id <= s.max:
-                        groups.append(i)
-                t = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
-        except FileNotFoundError:
-            continue
-        except (OSError, pa.ArrowInvalid) as exc:
-            raise CorruptionError(f"{st.url_of(rel)}: unreadable ({exc})") from None
-        return t.filter(pc.equal(t.column("run_id"), run_id))
-    raise _missing(log, f)
-
-
-def read_runs(log: EventLog, f: FileEntry, run_ids: pa.Array, ptr: Pointer) -> pa.Table:
-    """The rows of some runs (a sorted string array) from a file sorted by run_id: only
-    the row groups whose statistics overlap them are read, pages checked by CRC."""
-    st = log.storage
-    lo, hi = run_ids[0].as_py(), run_ids[-1].as_py()
-    for rel in ptr.locations(f):
-        try:
-            with st.open_read(rel) as src, \
-                    pq.ParquetFile(src, page_checksum_verification=True) as pf:
-                col = pf.schema_arrow.get_field_index("run_id")
-                groups = []
-                for i in range(pf.metadata.num_row_groups):
-                    s = pf.metadata.row_group(i).column(col).statistics
                     if s is None or not s.has_min_max or (s.min <= hi and lo <= s.max):
                         groups.append(i)
-                t = pf.read_row_groups(groups) if groups else pf.schema_arrow.empty_table()
+                return pf.read_row_groups(groups) if groups \
+                    else pf.schema_arrow.empty_table()
         except FileNotFoundError:
             continue
         except (OSError, pa.ArrowInvalid) as exc:
             raise CorruptionError(f"{st.url_of(rel)}: unreadable ({exc})") from None
-        return t.filter(pc.is_in(t.column("run_id"), run_ids))
     raise _missing(log, f)
 
 
