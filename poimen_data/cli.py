@@ -203,15 +203,15 @@ def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
         out.print("ok")
         return
     reader = rel.to_arrow_reader(1024)
+    if as_json:
+        _stream_json(reader)
+        return
     rows: list[dict[str, Any]] = []
     n = 0
     for batch in reader:
         n += batch.num_rows
-        if as_json or len(rows) < max_rows:
+        if len(rows) < max_rows:
             rows.extend(batch.to_pylist())
-    if as_json:
-        emit_json(rows)
-        return
     t = Table(show_lines=False)
     for c in rel.columns:  # Text: a value is shown as it is, never read as rich markup
         t.add_column(Text(c), overflow="fold")
@@ -220,6 +220,23 @@ def _print_query(con: Any, query: str, as_json: bool, max_rows: int) -> None:
     out.print(t)
     more = f"; showing {max_rows} (--max-rows)" if n > max_rows else ""
     out.print(f"({n} row{'s' if n != 1 else ''}{more})", highlight=False)
+
+
+def _stream_json(reader: Any) -> None:
+    """The rows as one JSON array, the bytes ``emit_json`` of the whole list would print,
+    written a row at a time as DuckDB hands them over: memory holds a batch, whatever
+    the result's size (the whole list and its text were held: about 9 KB a row of
+    ``events``). An error past the first batch cuts the array short (exit status 1)."""
+    opened = False
+    for batch in reader:
+        for row in batch.to_pylist():
+            text = json.dumps(st.jsonable(row), indent=2, ensure_ascii=False,
+                              allow_nan=False)
+            sys.stdout.write(("[\n  " if not opened else ",\n  ")
+                             + text.replace("\n", "\n  "))  # the list's own indent
+            opened = True
+    sys.stdout.write("\n]\n" if opened else "[]\n")
+    sys.stdout.flush()
 
 
 def _view_sql(name: str) -> str:
