@@ -79,6 +79,8 @@ def test_compact_keeps_every_event_and_lsn(root: Root) -> None:
     fresh = root.open()
     assert _digest(fresh.read_events()) == _digest(before)
     assert _digest(fresh.read_events(at_lsn=50)) == _digest(at_50)
+    kept = pdm.vacuum(fresh, grace=0, retention=3600)  # superseded, not for an hour yet
+    assert (kept.segments_removed, kept.kept_young) == (0, 60)
     v = pdm.vacuum(fresh, grace=0)
     assert v.segments_removed == 60
     assert len(list(fresh.storage.walk_files("segments"))) == 3
