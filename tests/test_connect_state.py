@@ -23,7 +23,7 @@ from test_query import attempt, commit, harness
 
 import poimen_data as pdm
 from poimen_data import events as ev
-from poimen_data.fold import _build, _fold, _state
+from poimen_data.fold import _build, _connect, _fold, _state
 
 T = datetime(2026, 3, 1, tzinfo=UTC)
 ALL = ("events", *_fold.VIEWS)
@@ -61,14 +61,19 @@ def assert_same_views(log: pdm.EventLog, at_lsn: int | None = None) -> str:
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, compact_at=st.integers(0, 30), picks=st.lists(st.integers(0, 10**6),
-                                                              max_size=3))
-def test_views_from_state_and_tail_equal_the_cold_fold(ops, compact_at, picks) -> None:
+                                                              max_size=3),
+       streamed=st.booleans())
+def test_views_from_state_and_tail_equal_the_cold_fold(ops, compact_at, picks,
+                                                       streamed) -> None:
     """Random histories (retries, rewinds, cancels, recoveries, verdicts, anomalies) cut
     into random commits, materialized at random points, sometimes compacted: at the head,
-    at the state's LSN and at random LSNs, every view equals a cold fold row for row."""
+    at the state's LSN and at random LSNs, every view equals a cold fold row for row;
+    ``streamed``: every tail taken as a big one (its events streamed into DuckDB)."""
     events = history(ops)
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
         mp.setattr(_build, "RUNS_PER_CHUNK", 3)
+        if streamed:
+            mp.setattr(_connect, "ARROW_TAIL_BYTES", 0)
         log = pdm.open_log(Path(tmp) / "log", durable=False)
         batch: list[ev.Event] = []
         n_commits = 0

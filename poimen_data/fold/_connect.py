@@ -99,9 +99,19 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
     its own schema first); and ``touched``, the runs whose state rows they replace. The
     views fold when a query reads them, like the log's. A tail under
     ``ARROW_TAIL_BYTES`` stays an Arrow table DuckDB scans in place (copying it costs
-    more than folding it); a bigger one is copied into DuckDB, which may spill it."""
-    new = pa.Table.from_batches(list(log.scan(lsn, ptr.lsn + 1)), ev.LOG_SCHEMA)
-    touched = pc.unique(new.column("run_id").drop_null())
+    more than folding it). A tail whose segments pass ``ARROW_TAIL_BYTES`` (a state left
+    behind a busy log) is never held here: its run ids are read first (one column), then
+    its events stream into a DuckDB table, which may spill, under ``memory_limit``."""
+    big = sum(s.size for s in log.segments(lsn, ptr.lsn + 1)) > ARROW_TAIL_BYTES
+    new: pa.Table | None = None
+    if big:
+        seen: set[str] = set()
+        for b in log.scan(lsn, ptr.lsn + 1, columns=("run_id",)):
+            seen.update(pc.unique(b.column("run_id").drop_null()).to_pylist())
+        touched = pa.array(sorted(seen), pa.string())
+    else:
+        new = pa.Table.from_batches(list(log.scan(lsn, ptr.lsn + 1)), ev.LOG_SCHEMA)
+        touched = pc.unique(new.column("run_id").drop_null())
     con.register(f"{TAIL}_touched", pa.table({"run_id": touched}))
     lo = ptr.lsn + 1
     index = _files_sql(con, log, ptr, INDEX, native)
@@ -111,15 +121,25 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
         first = con.execute(f"SELECT min(first_lsn) FROM {index} WHERE run_id IN "
                             f"(SELECT run_id FROM {TAIL}_touched)").fetchall()[0][0]
         lo = lo if first is None else min(lo, int(first))
-    if lo <= ptr.lsn:
-        new = pa.concat_tables([run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo), new])
     con.execute(f"CREATE SCHEMA {TAIL}")
-    if new.nbytes <= ARROW_TAIL_BYTES:
-        # registered under another name: a temp ``events`` would shadow the schema's own
-        con.register(f"{TAIL}_events", new)
-        con.execute(f"CREATE VIEW {TAIL}.events AS SELECT * FROM {TAIL}_events")
+    if new is None:  # the touched runs' events from their first, and all the tail's
+        con.register(f"{_PREFIX}_arrow", log.scan_events(lsn, lo))
+        try:
+            con.execute(f"CREATE TABLE {TAIL}.events AS SELECT * FROM {_PREFIX}_arrow "
+                        f"WHERE lsn > {int(ptr.lsn)} OR run_id IN "
+                        f"(SELECT run_id FROM {TAIL}_touched)")
+        finally:
+            con.unregister(f"{_PREFIX}_arrow")
     else:
-        _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
+        if lo <= ptr.lsn:
+            new = pa.concat_tables([run_events(log, touched, at_lsn=ptr.lsn, min_lsn=lo),
+                                    new])
+        if new.nbytes <= ARROW_TAIL_BYTES:
+            # registered under another name: a temp ``events`` would shadow its own
+            con.register(f"{TAIL}_events", new)
+            con.execute(f"CREATE VIEW {TAIL}.events AS SELECT * FROM {TAIL}_events")
+        else:
+            _load(con, f"CREATE TABLE {TAIL}.events AS SELECT * FROM {{arrow}}", new)
     for name, sql in VIEW_SQL.items():
         con.execute(f"CREATE VIEW {TAIL}.{name} AS {sql}")
     # the runs touched, as computed here: not a DISTINCT over the events at every query
