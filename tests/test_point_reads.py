@@ -119,3 +119,38 @@ def test_grading_late_runs_reads_the_log_from_their_first_event(tmp_path: Path,
     # which hands the CorruptionError back as its own error)
     with pytest.raises((CorruptionError, duckdb.Error), match="sha256 differs from its"):
         pdm.grade(fresh, [_Each()], runs=["run-005"])
+
+
+def test_a_run_index_footer_that_lies_never_hides_a_run(tmp_path: Path) -> None:
+    """The run index's parquet footer (its run_id statistics) is covered by no checksum:
+    one byte there must not make a run read before the state look absent (its episode
+    NotFound, its labels empty, a grade folding it from after the state and committing
+    a wrong verdict). The index is read whole for those reads, pages checked by CRC."""
+    from poimen_data.fold._state import INDEX, usable_pointer
+
+    root = tmp_path / "log"
+    log = pdm.open_log(root)
+    at = _runs(log, 1, 40)
+    pdm.materialize(log)
+    with log.transaction() as tx:  # run-030 enters verifying after the state
+        tx.append(ev.VerifyingEntered("acme", "run-030"))
+    ptr = usable_pointer(log)
+    assert ptr is not None
+    index = root / ptr.tables[INDEX][0].path
+    data = bytearray(index.read_bytes())
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    hits = [i for i in range(footer, len(data) - 8) if data[i:i + 7] == b"run-040"]
+    assert hits  # the row group's max run_id statistic
+    for i in hits:
+        data[i:i + 7] = b"run-020"  # says no run past run-020 is in it
+    index.write_bytes(bytes(data))
+    fresh = pdm.open_log(root)
+    view = pdm.episode(fresh, "run-030", at_lsn=at[35], all_branches=True)
+    assert [(a.step, a.state) for a in view.branches[0].attempts] == [("s", "succeeded")]
+    assert run_labels(fresh, "run-030", at_lsn=at[35]) == [("i", "30")]
+
+    def one_attempt(ctx: pdm.VerifierCtx) -> pdm.Verdict:
+        return pdm.Verdict(passed=[len(b.attempts) for b in ctx.episode.branches] == [1])
+
+    got = pdm.grade(fresh, [one_attempt], runs=["run-030"])
+    assert (got.runs_graded, got.runs_passed) == (1, 1)

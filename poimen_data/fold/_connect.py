@@ -15,7 +15,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from poimen_data.errors import CorruptionError, NotFound, ValidationError
+from poimen_data.errors import CorruptionError, NotFound, ValidationError, one_line
 from poimen_data.fold._fold import (
     PER_RUN_TABLES,
     SOURCES,
@@ -128,6 +128,10 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
             con.execute(f"CREATE TABLE {TAIL}.events AS SELECT * FROM {_PREFIX}_arrow "
                         f"WHERE lsn > {int(ptr.lsn)} OR run_id IN "
                         f"(SELECT run_id FROM {TAIL}_touched)")
+        except duckdb.Error as exc:  # a damaged segment, raised inside DuckDB's read
+            if "CorruptionError" not in str(exc):
+                raise
+            raise CorruptionError(one_line(exc)) from None
         finally:
             con.unregister(f"{_PREFIX}_arrow")
     else:

@@ -420,15 +420,32 @@ def first_lsn_bound(log: EventLog, ptr: Pointer | None, run_id: str, *, at_lsn: 
     every run with an event by the state's LSN, with its first LSN): what a read of this
     run at ``at_lsn`` need not scan below. ``at_lsn + 1`` when the run has no event by
     then (a scan from there reads nothing); 1 without a usable state, or a damaged one."""
-    if ptr is None:
+    if ptr is None or not ptr.tables.get(INDEX):  # no run index: the run may start anywhere
         return 1
-    try:
-        where = _locate(log, ptr, run_id)
-    except (CorruptionError, StateChanged):
+    first = _first_in_index(log, ptr, [run_id])
+    if first is None:
         return 1
-    if where is not None:
-        return min(where[1], at_lsn + 1)
+    if run_id in first:
+        return min(first[run_id], at_lsn + 1)
     return at_lsn + 1 if ptr.lsn >= at_lsn else ptr.lsn + 1
+
+
+def _first_in_index(log: EventLog, ptr: Pointer, run_ids: Sequence[str]
+                    ) -> dict[str, int] | None:
+    """run_id -> first_lsn of those of ``run_ids`` the run index has (None when it is
+    damaged or moved on). Every row group is read, pages checked by CRC: a run's absence
+    is taken as a fact here (no event by the state's LSN), so the footer's statistics,
+    which no checksum covers, may not prune it away."""
+    want = pa.array(sorted(set(run_ids)), pa.string())
+    found: dict[str, int] = {}
+    try:
+        for f in ptr.tables[INDEX]:
+            t = read_runs(log, f, want, ptr, prune=False)
+            found.update(zip(t.column("run_id").to_pylist(),
+                             t.column("first_lsn").to_pylist(), strict=True))
+    except (CorruptionError, StateChanged):
+        return None
+    return found
 
 
 def first_lsns(log: EventLog, run_ids: Sequence[str]) -> dict[str, int]:
@@ -440,14 +457,8 @@ def first_lsns(log: EventLog, run_ids: Sequence[str]) -> dict[str, int]:
     ptr = usable_pointer(log)
     if ptr is None or not out or not ptr.tables.get(INDEX):
         return out
-    want = pa.array(sorted(out), pa.string())
-    found: dict[str, int] = {}
-    try:
-        for f in ptr.tables[INDEX]:
-            t = read_runs(log, f, want, ptr)
-            found.update(zip(t.column("run_id").to_pylist(),
-                             t.column("first_lsn").to_pylist(), strict=True))
-    except (CorruptionError, StateChanged):
+    found = _first_in_index(log, ptr, list(out))
+    if found is None:
         return out
     return {r: found.get(r, ptr.lsn + 1) for r in out}
 

@@ -191,17 +191,21 @@ def read_run(log: EventLog, f: FileEntry, run_id: str, ptr: Pointer | None = Non
     return t.filter(pc.equal(t.column("run_id"), run_id))
 
 
-def read_runs(log: EventLog, f: FileEntry, run_ids: pa.Array, ptr: Pointer) -> pa.Table:
+def read_runs(log: EventLog, f: FileEntry, run_ids: pa.Array, ptr: Pointer, *,
+              prune: bool = True) -> pa.Table:
     """The rows of some runs (a sorted string array) from a file sorted by run_id, read
-    as ``read_run`` reads one."""
-    t = _row_groups_between(log, f, run_ids[0].as_py(), run_ids[-1].as_py(), ptr)
+    as ``read_run`` reads one. ``prune=False`` reads every row group: the footer's
+    statistics, which no checksum covers, then decide nothing (for a reader that takes a
+    run's absence as a fact)."""
+    lo, hi = (run_ids[0].as_py(), run_ids[-1].as_py()) if prune else (None, None)
+    t = _row_groups_between(log, f, lo, hi, ptr)
     return t.filter(pc.is_in(t.column("run_id"), run_ids))
 
 
-def _row_groups_between(log: EventLog, f: FileEntry, lo: str, hi: str,
+def _row_groups_between(log: EventLog, f: FileEntry, lo: str | None, hi: str | None,
                         ptr: Pointer | None) -> pa.Table:
-    """The row groups of ``f`` whose run_id statistics overlap ``[lo, hi]``, pages
-    checked by CRC, from where the file is (or went: ``ptr.locations``)."""
+    """The row groups of ``f`` whose run_id statistics overlap ``[lo, hi]`` (all of them
+    for None), pages checked by CRC, from where the file is (or went)."""
     st = log.storage
     places = ptr.locations(f) if ptr is not None else (f.path, prev_path(f.path))
     for rel in places:
@@ -212,7 +216,8 @@ def _row_groups_between(log: EventLog, f: FileEntry, lo: str, hi: str,
                 groups = []
                 for i in range(pf.metadata.num_row_groups):
                     s = pf.metadata.row_group(i).column(col).statistics
-                    if s is None or not s.has_min_max or (s.min <= hi and lo <= s.max):
+                    if lo is None or hi is None or s is None or not s.has_min_max or (
+                            s.min <= hi and lo <= s.max):
                         groups.append(i)
                 return pf.read_row_groups(groups) if groups \
                     else pf.schema_arrow.empty_table()
