@@ -394,8 +394,33 @@ class EventLog:
             while True:
                 m = self._read_manifest(st.seq + 1)
                 if m is None:
-                    return st.lsn
+                    break
                 st.apply(m)
+            if self.read_only and \
+                    len(st.manifests_since_checkpoint) > 2 * self.checkpoint_interval:
+                self._forget_checkpointed()
+            return st.lsn
+
+    def _forget_checkpointed(self) -> None:
+        """A read-only handle (the viewer, a notebook) never writes a checkpoint, so it
+        held every manifest it read since it opened (about 1.5 KB a commit, for ever, on a
+        busy log): it now forgets those the pointer's checkpoint covers, as a writer does
+        after its own. That checkpoint's writer promoted each of their bodies first, so
+        none is looked for in staging any more; what stays there (a body committed again
+        after a reduction) is in ``recommitted``, kept. The checkpoint's segment lists,
+        when still unread, are read now, so the manifests queued for them go too. Lock
+        held."""
+        st = self._state
+        ck = self._pointer_seq()
+        if not st.checkpoint_seq < ck <= st.seq:
+            return
+        if st._loader is not None:
+            st.install_segments(st._loader(), st._loader)
+        keep = [m for m in st.manifests_since_checkpoint if m.seq > ck]
+        st.manifests_since_checkpoint = keep
+        st.pending = {(b.tenant, b.sha256): b.staged for m in keep for b in m.blobs
+                      if b.staged is not None}
+        st.checkpoint_seq = ck
 
     def _read_manifest(self, seq: int) -> Manifest | None:
         name = manifest_path(seq)
