@@ -297,6 +297,7 @@ class EventLog:
         self._pid = os.getpid()
         self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
+        self._pointer_looked = 0  # a read-only handle's last look at the pointer (its seq)
         # seqs of this process's commits promoted whole, for its next manifest to announce
         # (``Manifest.promoted``): taken off once a manifest carrying them is published
         self._to_announce: set[int] = set()
@@ -397,7 +398,9 @@ class EventLog:
                     break
                 st.apply(m)
             if self.read_only and \
-                    len(st.manifests_since_checkpoint) > 2 * self.checkpoint_interval:
+                    len(st.manifests_since_checkpoint) > 2 * self.checkpoint_interval and \
+                    st.seq >= self._pointer_looked + self.checkpoint_interval:
+                self._pointer_looked = st.seq  # a look per interval, not per refresh
                 self._forget_checkpointed()
             return st.lsn
 
