@@ -440,7 +440,7 @@ def _first_in_index(log: EventLog, ptr: Pointer, run_ids: Sequence[str]
     found: dict[str, int] = {}
     try:
         for f in ptr.tables[INDEX]:
-            t = read_runs(log, f, want, ptr, prune=False)
+            t = read_runs(log, f, want, ptr)
             found.update(zip(t.column("run_id").to_pylist(),
                              t.column("first_lsn").to_pylist(), strict=True))
     except (CorruptionError, StateChanged):

@@ -191,14 +191,11 @@ def read_run(log: EventLog, f: FileEntry, run_id: str, ptr: Pointer | None = Non
     return t.filter(pc.equal(t.column("run_id"), run_id))
 
 
-def read_runs(log: EventLog, f: FileEntry, run_ids: pa.Array, ptr: Pointer, *,
-              prune: bool = True) -> pa.Table:
-    """The rows of some runs (a sorted string array) from a file sorted by run_id, read
-    as ``read_run`` reads one. ``prune=False`` reads every row group: the footer's
-    statistics, which no checksum covers, then decide nothing (for a reader that takes a
-    run's absence as a fact)."""
-    lo, hi = (run_ids[0].as_py(), run_ids[-1].as_py()) if prune else (None, None)
-    t = _row_groups_between(log, f, lo, hi, ptr)
+def read_runs(log: EventLog, f: FileEntry, run_ids: pa.Array, ptr: Pointer) -> pa.Table:
+    """The rows of some runs from a file sorted by run_id. Every row group is read,
+    pages checked by CRC: the footer's statistics, which no checksum covers, decide
+    nothing (for a reader that takes a run's absence as a fact)."""
+    t = _row_groups_between(log, f, None, None, ptr)
     return t.filter(pc.is_in(t.column("run_id"), run_ids))
 
 

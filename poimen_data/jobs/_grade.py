@@ -101,8 +101,11 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[Verifie
                 else:
                     done_attempts.setdefault(run_id, set()).add(
                         (index[name], branch, step, attempt))
-        terminal = _terminal_attempts(log, con, done_attempts, rows) if done_attempts \
-            else {}
+        # where each run starts (the state's run index, read once): the snapshots' folds
+        # and the look at graded attempts scan from there
+        first = first_lsns(log, [r[0] for r in rows])
+        terminal = _terminal_attempts(log, con, done_attempts, rows, first) \
+            if done_attempts else {}
     finally:
         con.close()
 
@@ -116,27 +119,23 @@ def _plan(log: EventLog, head: int, ids: Sequence[str], scopes: Sequence[Verifie
                    if steps is None or key[1] in steps)
 
     tasks = []
-    owing = [(run_id, tenant, lsn, todo) for run_id, tenant, lsn in rows
-             if (todo := tuple(i for i, name in enumerate(ids)
-                               if owed(i, run_id, name, lsn)))]
-    # where each run starts (the state's run index): a snapshot's fold scans from there
-    first = first_lsns(log, [t[0] for t in owing])
-    for run_id, tenant, lsn, todo in owing:
-        tasks.append(GradeTask(run_id, tenant, int(lsn), todo,
-                               frozenset(done_attempts.get(run_id, ())), first[run_id]))
+    for run_id, tenant, lsn in rows:
+        todo = tuple(i for i, name in enumerate(ids) if owed(i, run_id, name, lsn))
+        if todo:
+            tasks.append(GradeTask(run_id, tenant, int(lsn), todo,
+                                   frozenset(done_attempts.get(run_id, ())), first[run_id]))
     return tasks, (asked if runs is not None else len(rows))
 
 
 def _terminal_attempts(log: EventLog, con: Any, runs: dict[str, Any],
-                       rows: Sequence[tuple[Any, ...]]) -> dict[str, list[tuple[int, str, int]]]:
+                       rows: Sequence[tuple[Any, ...]], first: dict[str, int]
+                       ) -> dict[str, list[tuple[int, str, int]]]:
     """(branch, step, attempt) of every attempt terminal at its run's snapshot LSN, for
     the runs in ``runs``: what an attempt-scoped verifier may grade there at most (its
     selection is a subset), so a run whose every such attempt is graded is not owed.
-    Those runs' events are scanned from the first of them (the state's run index), six
-    columns kept: not the ``events`` view, a scan of the whole log."""
+    Those runs' events are scanned from the first of them (``first``: the state's run
+    index), six columns kept: not the ``events`` view, a scan of the whole log."""
     import pyarrow as pa
-
-    from poimen_data.fold._query import first_lsns
 
     graded = [r for r in rows if r[0] in runs]
     con.register("_grade_graded", pa.table({
@@ -144,7 +143,7 @@ def _terminal_attempts(log: EventLog, con: Any, runs: dict[str, Any],
         "snapshot_lsn": pa.array([r[2] for r in graded], pa.int64())}))
     ids = [r[0] for r in graded]
     cols = ("run_id", "branch_id", "step_id", "attempt_no", "kind", "lsn")
-    scanned = log.scan(max(int(r[2]) for r in graded), min(first_lsns(log, ids).values()),
+    scanned = log.scan(max(int(r[2]) for r in graded), min(first[r] for r in ids),
                        columns=cols, run_ids=ids)
     # a reader: DuckDB streams it through its group-by (which may spill), read once
     con.register("_grade_events", pa.RecordBatchReader.from_batches(
