@@ -325,17 +325,12 @@ class EventLog:
         if self.storage.writable and not self.read_only:
             self._roll_forward()
 
-    def _load_checkpoint(self) -> _State:
-        """The newest intact checkpoint; a damaged one is skipped for the one before."""
-        seq = 0
-        pointer: bytes | None = None
-        try:  # damaged, or not a file: no pointer
-            pointer = self.storage.read_or_none(POINTER)
-            if pointer is not None:
-                seq = int(loads(pointer, POINTER)["seq"])
-        except (CorruptionError, KeyError, ValueError, TypeError):
-            seq = 0
-        if pointer is None or seq == 0:
+    def _load_checkpoint(self, seq: int | None = None) -> _State:
+        """The newest intact checkpoint (the pointer's, or the one at ``seq`` when given:
+        the pointer read already); a damaged one is skipped for the one before."""
+        if seq is None:
+            seq = self._pointer_seq()
+        if seq <= 0:
             return _State()
         interval = self.checkpoint_interval
         # a range, never a list: a pointer naming a huge seq (damaged, or bogus) would make
@@ -392,17 +387,42 @@ class EventLog:
         """
         with self._lock:
             st = self._state
+            read = 0
             while True:
+                if read == self.checkpoint_interval and self.read_only:
+                    st = self._catch_up()  # a whole interval behind, or more
                 m = self._read_manifest(st.seq + 1)
                 if m is None:
                     break
                 st.apply(m)
+                read += 1
             if self.read_only and \
                     len(st.manifests_since_checkpoint) > 2 * self.checkpoint_interval and \
                     st.seq >= self._pointer_looked + self.checkpoint_interval:
                 self._pointer_looked = st.seq  # a look per interval, not per refresh
                 self._forget_checkpointed()
             return st.lsn
+
+    def _catch_up(self) -> _State:
+        """A read-only handle that found itself an interval of commits behind (the viewer
+        or a notebook after a pause, on a busy log) starts again from the pointer's
+        checkpoint when it is past what the handle read, as an open does, instead of
+        reading every manifest since, one request each. The manifests it skips are the
+        ones ``_forget_checkpointed`` would forget: that checkpoint's writer promoted their
+        bodies first (a body committed again after a reduction is in its
+        ``recommitted``), and its reductions and lost bodies are the log's up to it. A
+        damaged checkpoint is passed over for the one before, as at open; none past the
+        handle's head: it reads on. The state now read, lock held."""
+        st = self._state
+        ck = self._pointer_seq()
+        self._pointer_looked = max(self._pointer_looked, st.seq)
+        if ck <= st.seq:
+            return st
+        new = self._load_checkpoint(ck)
+        if new.seq <= st.seq:
+            return st
+        self._state = new
+        return new
 
     def _forget_checkpointed(self) -> None:
         """A read-only handle (the viewer, a notebook) never writes a checkpoint, so it
