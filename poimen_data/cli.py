@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 import poimen_data as pdm
-from poimen_data.errors import one_line
+from poimen_data.errors import one_line, raised_in_scan
 from poimen_data.jobs import chain as st
 from poimen_data.jobs.chain import titled
 
@@ -78,7 +78,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             err.print(f"error: {one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except duckdb.Error as exc:
-            err.print(f"error: SQL: {one_line(exc)}", markup=False)
+            ours = raised_in_scan(exc)  # a damaged segment DuckDB was reading
+            err.print(f"error: {one_line(ours)}" if ours is not None else
+                      f"error: SQL: {one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except (OSError, ValueError, ArithmeticError) as exc:  # Overflow: a value written
             # before the limits were checked (a year-0 timestamp) that Python cannot hold
@@ -285,7 +287,9 @@ def _repl(con: Any, max_rows: int, *, locked: bool) -> None:
         try:
             _print_query(con, q, False, max_rows)
         except duckdb.Error as exc:
-            err.print(f"error: SQL: {one_line(exc)}", markup=False)
+            ours = raised_in_scan(exc)
+            err.print(f"error: {one_line(ours)}" if ours is not None else
+                      f"error: SQL: {one_line(exc)}", markup=False)
 
 
 @command("sql", "poimen sql \"select state, count(*) from runs group by state\"")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class PoimenError(Exception):
     """Root of every error this package raises on purpose."""
@@ -67,6 +69,28 @@ def one_line(exc: BaseException) -> str:
     CLI prints and the viewer's error page shows, never a traceback."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
+
+
+#: the last line DuckDB quotes of a Python exception raised inside a scan it read
+_QUOTED = re.compile(r"^poimen_data\.errors\.([A-Za-z]+): (.*)$")
+
+
+def raised_in_scan(exc: BaseException) -> PoimenError | None:
+    """The error of this package that a scan DuckDB was reading raised (a damaged segment's
+    ``CorruptionError``, a ``StorageError``), which DuckDB hands on as its own
+    ``InvalidInputException`` quoting the Python traceback; None for any other error. The
+    jobs that fold through DuckDB (``materialize``, ``export_live``, ``grade``,
+    ``check``) raise it as itself, and the CLI prints its first line."""
+    for line in reversed(str(exc).splitlines()):
+        found = _QUOTED.match(line.strip())
+        if found is None:
+            continue
+        cls = globals().get(found.group(1))
+        if isinstance(cls, type) and issubclass(cls, PoimenError) \
+                and cls is not CommitUnknown:  # (needs its txn: never raised by a scan)
+            return cls(found.group(2))
+        return None
+    return None
 
 
 __all__ = [

@@ -19,13 +19,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from poimen_data.errors import raised_in_scan
 from poimen_data.fold._fold import (
     MEMORY_ENV,
     PER_RUN_TABLES,
@@ -38,6 +39,8 @@ from poimen_data.fold._fold import (
 )
 from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
+
+_R = TypeVar("_R")
 
 INDEX = "run_index"
 STATE_TABLES = (*VIEWS, INDEX)
@@ -178,6 +181,24 @@ def budget_of(memory_limit: int | str | None, temp_directory: str | None = None)
         return Budget(default_memory_limit(), temp_directory)
     where = "memory_limit" if memory_limit is not None else MEMORY_ENV
     return Budget(memory_bytes(value, where), temp_directory)
+
+
+def scan_errors(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """``fn`` raises the error a scan DuckDB read raised (``raised_in_scan``) as itself,
+    not as DuckDB's ``InvalidInputException`` quoting it: a damaged segment is a
+    ``CorruptionError`` naming its file."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except duckdb.Error as exc:
+            ours = raised_in_scan(exc)
+            if ours is None:
+                raise
+            raise ours from None
+
+    return wrapper
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from poimen_data.errors import CorruptionError, NotFound, ValidationError, one_line
+from poimen_data.errors import CorruptionError, NotFound, ValidationError, raised_in_scan
 from poimen_data.fold._fold import (
     PER_RUN_TABLES,
     SOURCES,
@@ -129,9 +129,10 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
                         f"WHERE lsn > {int(ptr.lsn)} OR run_id IN "
                         f"(SELECT run_id FROM {TAIL}_touched)")
         except duckdb.Error as exc:  # a damaged segment, raised inside DuckDB's read
-            if "CorruptionError" not in str(exc):
+            ours = raised_in_scan(exc)
+            if ours is None:
                 raise
-            raise CorruptionError(one_line(exc)) from None
+            raise ours from None
         finally:
             con.unregister(f"{_PREFIX}_arrow")
     else:

@@ -68,7 +68,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from poimen_data.errors import NotFound, ValidationError
-from poimen_data.fold._build import budget_of
+from poimen_data.fold._build import budget_of, scan_errors
 from poimen_data.fold._fold import SOURCES, Source
 from poimen_data.jobs._atif import AtifWriter
 from poimen_data.jobs._export_formats import SLOTS, WRITERS, Bodies, Sink, dest_parts
@@ -138,6 +138,7 @@ def _log_part(log: EventLog, dest: str) -> str | None:
     return first if first in LOG_OWN or ".tmp-" in first else None
 
 
+@scan_errors
 def export_live(
     log: LogLike,
     dest: str | os.PathLike[str],

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from poimen_data.errors import NotFound, ValidationError
-from poimen_data.fold._build import budget_of
+from poimen_data.fold._build import budget_of, scan_errors
 from poimen_data.jobs._grade_exec import is_dask_client, run_dask, run_here
 from poimen_data.jobs._grade_types import (
     DEFAULT_BATCH,
@@ -240,6 +240,7 @@ def _deadline(v: Any, verifier: str) -> float:
 MAX_DEADLINE_S = 1e9
 
 
+@scan_errors
 def grade(
     log: LogLike,
     verifiers: Verifier | Sequence[Verifier],
