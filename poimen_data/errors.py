@@ -71,26 +71,32 @@ def one_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-#: the last line DuckDB quotes of a Python exception raised inside a scan it read
-_QUOTED = re.compile(r"^poimen_data\.errors\.([A-Za-z]+): (.*)$")
+#: how DuckDB quotes a Python exception raised inside a scan it read, and the traceback's
+#: last line: the exception of this package it ends with
+_QUOTING = "Python exception: Traceback (most recent call last):"
+_QUOTED = re.compile(r"poimen_data\.errors\.([A-Za-z]+): (.+)")
 
 
 def raised_in_scan(exc: BaseException) -> PoimenError | None:
     """The error of this package that a scan DuckDB was reading raised (a damaged segment's
     ``CorruptionError``, a ``StorageError``), which DuckDB hands on as its own
-    ``InvalidInputException`` quoting the Python traceback; None for any other error. The
-    jobs that fold through DuckDB (``materialize``, ``export_live``, ``grade``,
-    ``check``) raise it as itself, and the CLI prints its first line."""
-    for line in reversed(str(exc).splitlines()):
-        found = _QUOTED.match(line.strip())
-        if found is None:
-            continue
-        cls = globals().get(found.group(1))
-        if isinstance(cls, type) and issubclass(cls, PoimenError) \
-                and cls is not CommitUnknown:  # (needs its txn: never raised by a scan)
-            return cls(found.group(2))
+    ``InvalidInputException`` quoting the Python traceback; None for any other error: one
+    that quotes no traceback, or whose traceback ends in another exception, or in one of
+    ours whose message spans lines (left as DuckDB raised it rather than read wrong). The
+    jobs that fold through DuckDB (``materialize``, ``export_live``, ``grade``, ``check``),
+    the CLI and the viewer raise or show it as itself."""
+    text = str(exc)
+    if _QUOTING not in text or type(exc).__name__ != "InvalidInputException":
         return None
-    return None
+    last = text.rstrip().rsplit("\n", 1)[-1]
+    found = _QUOTED.fullmatch(last)
+    if found is None:
+        return None
+    cls = globals().get(found.group(1))
+    if not (isinstance(cls, type) and issubclass(cls, PoimenError)) \
+            or cls is CommitUnknown:  # (needs its txn: never raised by a scan)
+        return None
+    return cls(found.group(2))
 
 
 __all__ = [

@@ -6,9 +6,14 @@ scan it reads on as its own ``InvalidInputException`` quoting the Python traceba
 
 from __future__ import annotations
 
+import html
+from collections.abc import Callable, Iterator
+
 import duckdb
+import pyarrow as pa
 import pytest
 from conftest import Root, snapshot_files
+from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 import poimen_data as pdm
@@ -16,6 +21,7 @@ from poimen_data import cli
 from poimen_data.errors import CorruptionError, raised_in_scan
 from poimen_data.testing import record_run
 from poimen_data.verifiers import exit_code
+from poimen_data.view._app import create_app
 
 OK = [("plan", ["succeeded"]), ("code", ["failed", "succeeded"])]
 
@@ -68,20 +74,62 @@ def test_the_cli_prints_the_damaged_segment_in_one_line(tmp_path: object) -> Non
         assert (r.exit_code, r.stdout, r.stderr) == (1, "", f"error: {message}\n"), args
 
 
+def test_the_viewer_shows_the_damaged_segment_as_a_server_error(tmp_path: object) -> None:
+    """Not DuckDB's text quoting the traceback, and not a 400 for the query on /sql."""
+    root = Root(f"{tmp_path}/log", None, "local")
+    _log, message = _damaged(root)
+    with TestClient(create_app(root.url), base_url="http://127.0.0.1") as c:
+        for path in ("/", "/sql?q=select+count(*)+from+runs"):
+            r = c.get(path)
+            assert r.status_code == 500, path
+            assert html.escape(message) in r.text, path
+            assert "Invalid Input" not in r.text and "Traceback" not in r.text, path
+
+
+def _scan_error(scan: Callable[[], Iterator[pa.RecordBatch]]) -> duckdb.Error:
+    con = duckdb.connect()
+    con.register("t", pa.RecordBatchReader.from_batches(pa.schema([("x", pa.int64())]),
+                                                        scan()))
+    with pytest.raises(duckdb.Error) as caught:
+        con.sql("select * from t").fetchall()
+    return caught.value
+
+
 def test_other_duckdb_errors_are_left_as_they_are() -> None:
     con = duckdb.connect()
     with pytest.raises(duckdb.Error) as caught:
         con.sql("select no_such_column")
     assert raised_in_scan(caught.value) is None
+    # a DuckDB error quoting a value that holds a line like ours
+    with pytest.raises(duckdb.Error) as caught:
+        con.sql("select E'oops\\npoimen_data.errors.NotFound: no such run'::INTEGER"
+                ).fetchall()
+    assert "poimen_data.errors.NotFound: no such run" in str(caught.value)
+    assert raised_in_scan(caught.value) is None
 
-    def scan():  # a scan raising an exception of another kind
+    def other() -> Iterator[pa.RecordBatch]:  # a scan raising an exception of another kind
         raise ValueError("poimen_data.errors.CorruptionError: looks like one")
         yield
 
-    import pyarrow as pa
-    con.register("t", pa.RecordBatchReader.from_batches(pa.schema([("x", pa.int64())]),
-                                                        scan()))
-    with pytest.raises(duckdb.Error) as caught:
-        con.sql("select * from t").fetchall()
-    assert "ValueError" in str(caught.value)
-    assert raised_in_scan(caught.value) is None
+    def while_handling() -> Iterator[pa.RecordBatch]:  # another raised while handling ours
+        try:
+            raise CorruptionError("seg.arrow: damaged")
+        except CorruptionError:
+            raise KeyError("a bug in the handler") from None
+        yield
+
+    def lines() -> Iterator[pa.RecordBatch]:  # ours, over two lines: not read half
+        raise CorruptionError("/data/a\nb/segments/x.arrow: size or sha256 differs")
+        yield
+
+    for scan in (other, while_handling, lines):
+        exc = _scan_error(scan)
+        assert "Python exception" in str(exc), scan
+        assert raised_in_scan(exc) is None, scan
+
+    def ours() -> Iterator[pa.RecordBatch]:
+        raise CorruptionError("seg.arrow: damaged")
+        yield
+
+    found = raised_in_scan(_scan_error(ours))
+    assert type(found) is CorruptionError and str(found) == "seg.arrow: damaged"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import duckdb
 import numpy as np
@@ -41,6 +41,7 @@ from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
 
 _R = TypeVar("_R")
+_P = ParamSpec("_P")
 
 INDEX = "run_index"
 STATE_TABLES = (*VIEWS, INDEX)
@@ -183,13 +184,13 @@ def budget_of(memory_limit: int | str | None, temp_directory: str | None = None)
     return Budget(memory_bytes(value, where), temp_directory)
 
 
-def scan_errors(fn: Callable[..., _R]) -> Callable[..., _R]:
+def scan_errors(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn`` raises the error a scan DuckDB read raised (``raised_in_scan``) as itself,
     not as DuckDB's ``InvalidInputException`` quoting it: a damaged segment is a
     ``CorruptionError`` naming its file."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> _R:
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return fn(*args, **kwargs)
         except duckdb.Error as exc:

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
-from poimen_data.errors import NotFound, PoimenError, ValidationError
+from poimen_data.errors import NotFound, PoimenError, ValidationError, raised_in_scan
 from poimen_data.fold._connect import connect
 from poimen_data.fold._query import episode, one_episode, run_labels, run_tables
 from poimen_data.log._blobs import BlobStore
@@ -246,7 +246,8 @@ def create_app(log: LogLike, *, blobs: BlobStore | None = None,
             except NotFound as exc:
                 return error(request, 404, exc)
             except (PoimenError, duckdb.Error) as exc:
-                return error(request, 500, exc)
+                return error(request, 500, exc if not isinstance(exc, duckdb.Error)
+                             else raised_in_scan(exc) or exc)
         return endpoint
 
     def error(request: Request, status: int, exc: BaseException) -> Response:

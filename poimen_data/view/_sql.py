@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from poimen_data.errors import one_line
+from poimen_data.errors import one_line, raised_in_scan
 from poimen_data.fold._connect import connect, explained_statements, lock_down
 from poimen_data.log._log import EventLog
 
@@ -95,6 +95,9 @@ def _run(con: duckdb.DuckDBPyConnection, query: str, rows: int) -> pa.Table:
                 break
         table = pa.Table.from_batches(batches, reader.schema)
     except duckdb.Error as exc:
+        ours = raised_in_scan(exc)  # a damaged segment: not the query's fault
+        if ours is not None:
+            raise ours from None
         raise QueryRefused(f"SQL: {one_line(exc)}") from None
     finally:
         timer.cancel()
