@@ -8,6 +8,7 @@ from conftest import Root
 
 import poimen_data as pdm
 from poimen_data import events as E
+from poimen_data.log import _log as _pdm_log
 
 
 def test_a_read_only_handle_forgets_what_a_checkpoint_covers(root: Root) -> None:
@@ -58,6 +59,19 @@ def _manifest_reads(log: pdm.EventLog) -> list[str]:
     def counted(rel: str) -> bytes | None:
         if rel.startswith("_log/") and rel[5:].split(".")[0].isdigit() \
                 and rel.endswith(".json") and ".checkpoint" not in rel:
+            reads.append(rel)
+        return read(rel)
+
+    log.storage.read_or_none = counted  # type: ignore[method-assign]
+    return reads
+
+
+def _checkpoint_reads(log: pdm.EventLog) -> list[str]:
+    """Every checkpoint ``log`` reads from now on."""
+    read, reads = log.storage.read_or_none, []
+
+    def counted(rel: str) -> bytes | None:
+        if rel.endswith(".checkpoint.json"):
             reads.append(rel)
         return read(rel)
 
@@ -119,3 +133,10 @@ def test_a_handle_behind_a_damaged_checkpoint_takes_the_one_before(root: Root) -
     fresh = root.open(read_only=True)
     for log in (behind, far_behind):
         assert log.read_events().equals(fresh.read_events())
+    # a pointer whose checkpoints led nowhere is not tried again until it moves
+    stale = root.open(read_only=True)
+    assert stale._no_catch_up == 40  # its open's refresh tried them already
+    stale._state, stale._no_catch_up = _pdm_log._State(), 0  # as a handle that read nothing
+    checkpoints = _checkpoint_reads(stale)
+    assert stale._catch_up().seq == 0 and len(checkpoints) == 4  # 40, 30, 20, 10
+    assert stale._catch_up().seq == 0 and len(checkpoints) == 4

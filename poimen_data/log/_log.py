@@ -298,6 +298,7 @@ class EventLog:
         self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
         self._pointer_looked = 0  # a read-only handle's last look at the pointer (its seq)
+        self._no_catch_up = 0  # a pointer whose checkpoints took it no further (_catch_up)
         # seqs of this process's commits promoted whole, for its next manifest to announce
         # (``Manifest.promoted``): taken off once a manifest carrying them is published
         self._to_announce: set[int] = set()
@@ -416,10 +417,11 @@ class EventLog:
         st = self._state
         ck = self._pointer_seq()
         self._pointer_looked = max(self._pointer_looked, st.seq)
-        if ck <= st.seq:
+        if ck <= st.seq or ck == self._no_catch_up:
             return st
         new = self._load_checkpoint(ck)
         if new.seq <= st.seq:
+            self._no_catch_up = ck  # not tried again (20 reads) until the pointer moves
             return st
         self._state = new
         return new
