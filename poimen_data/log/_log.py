@@ -390,7 +390,7 @@ class EventLog:
             st = self._state
             read = 0
             while True:
-                if read == self.checkpoint_interval and self.read_only:
+                if read == self.checkpoint_interval:
                     st = self._catch_up()  # a whole interval behind, or more
                 m = self._read_manifest(st.seq + 1)
                 if m is None:
@@ -405,15 +405,20 @@ class EventLog:
             return st.lsn
 
     def _catch_up(self) -> _State:
-        """A read-only handle that found itself an interval of commits behind (the viewer
-        or a notebook after a pause, on a busy log) starts again from the pointer's
-        checkpoint when it is past what the handle read, as an open does, instead of
-        reading every manifest since, one request each. The manifests it skips are the
-        ones ``_forget_checkpointed`` would forget: that checkpoint's writer promoted their
-        bodies first (a body committed again after a reduction is in its
-        ``recommitted``), and its reductions and lost bodies are the log's up to it. A
-        damaged checkpoint is passed over for the one before, as at open; none past the
-        handle's head: it reads on. The state now read, lock held."""
+        """A handle that found itself an interval of commits behind (the viewer or a
+        notebook after a pause; a writer that commits now and then to a busy log, such as
+        a grader) starts again from the pointer's checkpoint when it is past what the
+        handle read, as an open does, instead of reading every manifest since, one request
+        each, and holding them until a checkpoint of its own. The manifests it skips are
+        the ones ``_forget_checkpointed`` would forget, and the ones a writer's own
+        checkpoint there would: that checkpoint's writer promoted their bodies first (a
+        body committed again after a reduction is in its ``recommitted``; this process's
+        promotions still running find them promoted), and its reductions and lost bodies
+        are the log's up to it. A writer's checkpoint being written meanwhile is not
+        harmed: it stops when the state's checkpoint is at or past its seq, and otherwise
+        builds from what the state holds after the pointer's. A damaged checkpoint is
+        passed over for the one before, as at open; none past the handle's head: it reads
+        on. The state now read, lock held."""
         st = self._state
         ck = self._pointer_seq()
         self._pointer_looked = max(self._pointer_looked, st.seq)
