@@ -6,6 +6,10 @@ pointer's checkpoint once it has read an interval of them, as an open does."""
 
 from __future__ import annotations
 
+import hashlib
+import threading
+
+import pyarrow as pa
 from conftest import Root
 
 import poimen_data as pdm
@@ -165,3 +169,100 @@ def test_a_catch_up_while_the_writers_own_checkpoint_is_written(root: Root) -> N
     bodies.update([_commit(rare, "rare-1")])
     assert rare.head_seq == 36
     _same_log(rare, root, bodies)
+
+
+def _blocking(log: pdm.EventLog, method: str, suffix: str
+              ) -> tuple[threading.Event, threading.Event]:
+    """``log.storage.<method>`` of the first file ending in ``suffix`` waits for the
+    returned gate (the first event is set when it gets there)."""
+    call, entered, gate = getattr(log.storage, method), threading.Event(), threading.Event()
+
+    def held(rel: str, *args: object) -> object:
+        if rel.endswith(suffix) and not entered.is_set():
+            entered.set()
+            assert gate.wait(timeout=120)
+        return call(rel, *args)
+
+    setattr(log.storage, method, held)
+    return entered, gate
+
+
+def test_a_body_repaired_before_the_checkpoint_caught_up_to_stays_repaired(
+        tmp_path: object) -> None:
+    """The writer's checkpoint reads the pointer's checkpoint (30), which lists a body
+    lost at seq 5; while it reads it, another writer commits the body again (31) and
+    moves the pointer to 40, and the checkpoint's refresh catches up there. The body was
+    recorded lost again from 30's list and written into the writer's checkpoint."""
+    root = Root(f"{tmp_path}/log", None, "local")
+    busy = root.open(checkpoint_interval=10)
+    rare = root.open()
+    _commit(rare, "rare-0")
+    for i in range(3):
+        _commit(busy, f"busy-{i}")
+    body = b"the body that gets lost"
+    move = busy.storage.move
+
+    def losing(src: str, dst: str) -> object:  # its staged file gone before promotion
+        if dst.endswith(hashlib.sha256(body).hexdigest()):
+            busy.storage.delete(src)
+        return move(src, dst)
+
+    busy.storage.move = losing  # type: ignore[method-assign]
+    with busy.transaction() as tx:
+        ref = tx.put_blob("acme", body)
+        tx.append(E.RunStarted("acme", "x", "wf"))
+    busy.flush()
+    busy.storage.move = move  # type: ignore[method-assign]
+    key = (ref.tenant, ref.sha256)
+    assert busy.lost_bodies() == {key: 5}
+    for i in range(3, 28):
+        _commit(busy, f"busy-{i}")
+    with busy.transaction() as tx:  # seq 31: committed again, repaired
+        assert tx.put_blob("acme", body) == ref
+        tx.append(E.RunStarted("acme", "x-again", "wf"))
+    busy.flush()
+    assert busy.lost_bodies() == {}
+    entered, gate = _blocking(rare, "read_or_none", "00000000000000000030.checkpoint.json")
+    written: list[int] = []
+    t = threading.Thread(target=lambda: written.append(rare.write_checkpoint()))
+    t.start()
+    assert entered.wait(timeout=120)
+    for i in range(28, 42):
+        _commit(busy, f"busy-{i}")
+    busy.flush()
+    assert busy.head_seq == 45 and busy._pointer_seq() == 40
+    gate.set()
+    t.join(timeout=120)
+    assert written == [45]
+    assert rare.lost_bodies() == {}  # {key: 5} with the lost list merged after a catch-up
+    assert root.open(read_only=True).lost_bodies() == {}
+    assert rare.blobs.get(ref) == body
+
+
+def test_a_writer_that_caught_up_writes_only_the_segments_since(tmp_path: object) -> None:
+    """A writer that opened on a checkpoint (whose lists it would reuse), then caught up
+    to a later one: its next checkpoint reuses that one's lists. It wrote every live
+    segment again (350 rows in the lists it wrote, instead of the 10 committed since)."""
+    root = Root(f"{tmp_path}/log", None, "local")
+    busy = root.open(checkpoint_interval=10, durable=False)
+    for i in range(300):
+        _commit(busy, f"busy-{i}")
+    rare = root.open()
+    rare.read_events()  # its checkpoint's segment lists read: 300's
+    for i in range(300, 348):
+        _commit(busy, f"busy-{i}")
+    put, rows = rare.storage.put_if_absent, []
+
+    def counted(rel: str, data: bytes) -> bool:
+        if ".checkpoint.segments." in rel:
+            rows.append(pa.ipc.open_file(pa.py_buffer(data)).read_all().num_rows)
+        return put(rel, data)
+
+    rare.storage.put_if_absent = counted  # type: ignore[method-assign]
+    _commit(rare, "rare-1")
+    _commit(rare, "rare-2")  # seq 350: its checkpoint
+    assert rare._state.checkpoint_seq == 350
+    assert sum(rows) == 10, rows
+    fresh = root.open(read_only=True)
+    assert fresh._state.checkpoint_seq == 350
+    assert rare.read_events().equals(fresh.read_events())

@@ -429,6 +429,10 @@ class EventLog:
             self._no_catch_up = ck  # not tried again (20 reads) until the pointer moves
             return st
         self._state = new
+        # a writer's next checkpoint reuses the lists of the one it now stands on (its
+        # loader names them), not those of an older one of its own: with those it wrote
+        # every live segment again
+        self._known_lists = None
         return new
 
     def _forget_checkpointed(self) -> None:
@@ -1039,6 +1043,8 @@ class EventLog:
             with self._lock:
                 self.refresh()
                 st = self._state
+                if st.checkpoint_seq >= ck:  # caught up to this one, or past it, meanwhile:
+                    return ck, lists         # its lost bodies are the state's already
                 covered = [m for m in st.manifests_since_checkpoint if m.seq <= ck]
                 since = {(b.tenant, b.sha256) for m in st.manifests_since_checkpoint
                          if m.seq > ck for b in m.blobs if b.staged}
