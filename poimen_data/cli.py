@@ -78,9 +78,7 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             err.print(f"error: {one_line(exc)}", markup=False)
             raise typer.Exit(1) from None
         except duckdb.Error as exc:
-            ours = raised_in_scan(exc)  # a damaged segment DuckDB was reading
-            err.print(f"error: {one_line(ours)}" if ours is not None else
-                      f"error: SQL: {one_line(exc)}", markup=False)
+            err.print(_sql_error(exc), markup=False)
             raise typer.Exit(1) from None
         except (OSError, ValueError, ArithmeticError) as exc:  # Overflow: a value written
             # before the limits were checked (a year-0 timestamp) that Python cannot hold
@@ -95,6 +93,13 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             err.print("interrupted")
             raise typer.Exit(130) from None
     return wrapper
+
+
+def _sql_error(exc: BaseException) -> str:
+    """The line a DuckDB error prints: the error of ours a scan raised inside it (a damaged
+    segment DuckDB was reading), else DuckDB's own, as SQL's."""
+    ours = raised_in_scan(exc)
+    return f"error: {one_line(ours)}" if ours is not None else f"error: SQL: {one_line(exc)}"
 
 
 def _is_storage_error(exc: BaseException) -> bool:
@@ -287,9 +292,7 @@ def _repl(con: Any, max_rows: int, *, locked: bool) -> None:
         try:
             _print_query(con, q, False, max_rows)
         except duckdb.Error as exc:
-            ours = raised_in_scan(exc)
-            err.print(f"error: {one_line(ours)}" if ours is not None else
-                      f"error: SQL: {one_line(exc)}", markup=False)
+            err.print(_sql_error(exc), markup=False)
 
 
 @command("sql", "poimen sql \"select state, count(*) from runs group by state\"")

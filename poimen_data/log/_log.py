@@ -297,7 +297,9 @@ class EventLog:
         self._pid = os.getpid()
         self._settle_owner = f"settle-{uuid.uuid4().hex}"  # the lease settle takes
         self._promoted: set[str] = set()  # txns this process promoted since the checkpoint
-        self._pointer_looked = 0  # a read-only handle's last look at the pointer (its seq)
+        # the handle's seq at its last look at the pointer (a read-only handle forgets
+        # what the pointer's checkpoint covers once per interval: _forget_checkpointed)
+        self._pointer_looked = 0
         self._no_catch_up = 0  # a pointer whose checkpoints took it no further (_catch_up)
         # seqs of this process's commits promoted whole, for its next manifest to announce
         # (``Manifest.promoted``): taken off once a manifest carrying them is published
