@@ -94,6 +94,7 @@ def test_a_recorder_far_behind_records_from_the_pointers_checkpoint(root: Root) 
                            E.AttemptDispatched("acme", "rec-0", 0, "s", 0, 1, prompt=ref)],
                           blobs={ref: body}).result().seq == 1
         bodies[ref] = body
+        rare.flush()  # its promotion done: it refreshes after copying a pack's bodies out
         for i in range(44):
             bodies.update([_commit(busy, f"busy-{i}")])
         busy.flush()
