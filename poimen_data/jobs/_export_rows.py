@@ -121,6 +121,12 @@ def export_rows(log: EventLog, source: str, lsn: int, opts: Options, budget: B.B
         con, used = _connect(log, source, lsn, budget)
         stack.callback(con.close)
         query = _query(opts)
+        if len(groups) == 1 and used == "log":
+            # the fold once, into tables: each of the views' many reads of ``events``
+            # scanned the whole log again (23 scans of it for one export)
+            con.close()
+            con = stack.enter_context(B.connection(budget))
+            _fold_once(con, log, lsn)
         if len(groups) == 1 or used != "log":
             if opts.runs is not None:
                 _check_runs(opts.runs, _found(con, opts.runs, None))
@@ -159,6 +165,17 @@ def export_rows(log: EventLog, source: str, lsn: int, opts: Options, budget: B.B
 
 #: At most this many rows per batch from DuckDB (re-cut by the pipeline anyway).
 _MAX_ROWS = 8192
+
+
+def _fold_once(con: Any, log: EventLog, lsn: int) -> None:
+    """The tables the export reads, folded from one scan of the log up to ``lsn`` (which
+    fits the budget: one bucket group), as ``_fold_groups`` folds each group."""
+    con.register("_scan", log.scan_events(lsn, batch_rows=B.BATCH_ROWS))
+    con.execute("CREATE TEMP TABLE events AS SELECT * FROM _scan")
+    con.unregister("_scan")
+    _fold.create_fold_tables(con, ("reductions", "runs", "trajectories", "verdicts"),
+                             ordered=False, temp=True)
+    con.execute("DROP TABLE events")
 
 
 def _fold_groups(con: Any, log: EventLog, lsn: int, groups: list[tuple[int, ...]],
