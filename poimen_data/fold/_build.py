@@ -9,6 +9,7 @@ to a temp directory), and streams the rows out, sorted, as one canonical parquet
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -39,9 +40,6 @@ from poimen_data.fold._fold import (
 )
 from poimen_data.log._log import EventLog
 from poimen_data.model import _events as ev
-
-_R = TypeVar("_R")
-_P = ParamSpec("_P")
 
 INDEX = "run_index"
 STATE_TABLES = (*VIEWS, INDEX)
@@ -184,22 +182,19 @@ def budget_of(memory_limit: int | str | None, temp_directory: str | None = None)
     return Budget(memory_bytes(value, where), temp_directory)
 
 
-def scan_errors(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn`` raises the error a scan DuckDB read raised (``raised_in_scan``) as itself,
-    not as DuckDB's ``InvalidInputException`` quoting it: a damaged segment is a
-    ``CorruptionError`` naming its file."""
+class scan_errors(contextlib.ContextDecorator):  # noqa: N801 - reads as a decorator
+    """Within it (a ``with`` block, or a job it decorates: ``@scan_errors()``), the error a
+    scan DuckDB read raised (``raised_in_scan``) is raised as itself, not as DuckDB's
+    ``InvalidInputException`` quoting it: a damaged segment is a ``CorruptionError``
+    naming its file."""
 
-    @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return fn(*args, **kwargs)
-        except duckdb.Error as exc:
-            ours = raised_in_scan(exc)
-            if ours is None:
-                raise
+    def __enter__(self) -> scan_errors:
+        return self
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        ours = raised_in_scan(exc) if isinstance(exc, duckdb.Error) else None
+        if ours is not None:
             raise ours from None
-
-    return wrapper
 
 
 @contextmanager

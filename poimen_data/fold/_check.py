@@ -111,7 +111,7 @@ def _check_once(log: EventLog, budget: B.Budget, executor: Any,
     return CheckReport(True, ptr.lsn, n, runs, None)
 
 
-@B.scan_errors
+@B.scan_errors()
 def check(log: LogLike, *, storage_options: dict[str, Any] | None = None,
           memory_limit: int | str | None = None,
           temp_directory: str | None = None, executor: Any = None,

@@ -15,7 +15,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from poimen_data.errors import CorruptionError, NotFound, ValidationError, raised_in_scan
+from poimen_data.errors import CorruptionError, NotFound, ValidationError
+from poimen_data.fold._build import scan_errors
 from poimen_data.fold._fold import (
     PER_RUN_TABLES,
     SOURCES,
@@ -125,14 +126,10 @@ def tail_views(con: duckdb.DuckDBPyConnection, log: EventLog, ptr: Pointer, lsn:
     if new is None:  # the touched runs' events from their first, and all the tail's
         con.register(f"{_PREFIX}_arrow", log.scan_events(lsn, lo))
         try:
-            con.execute(f"CREATE TABLE {TAIL}.events AS SELECT * FROM {_PREFIX}_arrow "
-                        f"WHERE lsn > {int(ptr.lsn)} OR run_id IN "
-                        f"(SELECT run_id FROM {TAIL}_touched)")
-        except duckdb.Error as exc:  # a damaged segment, raised inside DuckDB's read
-            ours = raised_in_scan(exc)
-            if ours is None:
-                raise
-            raise ours from None
+            with scan_errors():  # a damaged segment, raised inside DuckDB's read
+                con.execute(f"CREATE TABLE {TAIL}.events AS SELECT * FROM {_PREFIX}_arrow "
+                            f"WHERE lsn > {int(ptr.lsn)} OR run_id IN "
+                            f"(SELECT run_id FROM {TAIL}_touched)")
         finally:
             con.unregister(f"{_PREFIX}_arrow")
     else:

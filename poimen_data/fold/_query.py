@@ -416,49 +416,35 @@ def run_tables(log: EventLog, run_id: str, *, at_lsn: int,
 
 
 def first_lsn_bound(log: EventLog, ptr: Pointer | None, run_id: str, *, at_lsn: int) -> int:
-    """An LSN at or below the run's first event, from the state's run index (which has
-    every run with an event by the state's LSN, with its first LSN): what a read of this
-    run at ``at_lsn`` need not scan below. ``at_lsn + 1`` when the run has no event by
-    then (a scan from there reads nothing); 1 without a usable state, or a damaged one."""
-    if ptr is None or not ptr.tables.get(INDEX):  # no run index: the run may start anywhere
+    """An LSN at or below the run's first event (``first_lsns``): what a read of this run
+    at ``at_lsn`` need not scan below; ``at_lsn + 1`` when the state shows it has no event
+    by then (a scan from there reads nothing); 1 without a usable state (``ptr``)."""
+    if ptr is None:
         return 1
-    first = _first_in_index(log, ptr, [run_id])
-    if first is None:
-        return 1
-    if run_id in first:
-        return min(first[run_id], at_lsn + 1)
-    return at_lsn + 1 if ptr.lsn >= at_lsn else ptr.lsn + 1
+    return min(first_lsns(log, [run_id], ptr)[run_id], at_lsn + 1)
 
 
-def _first_in_index(log: EventLog, ptr: Pointer, run_ids: Sequence[str]
-                    ) -> dict[str, int] | None:
-    """run_id -> first_lsn of those of ``run_ids`` the run index has (None when it is
-    damaged or moved on). Every row group is read, pages checked by CRC: a run's absence
-    is taken as a fact here (no event by the state's LSN), so the footer's statistics,
-    which no checksum covers, may not prune it away."""
-    want = pa.array(sorted(set(run_ids)), pa.string())
+def first_lsns(log: EventLog, run_ids: Sequence[str], ptr: Pointer | None = None
+               ) -> dict[str, int]:
+    """For each run, an LSN at or below its first event, from the state's run index (one
+    read of it: it has every run with an event by the state's LSN, with its first LSN);
+    ``ptr.lsn + 1`` for a run it lacks; 1 for all without a usable state with a run index
+    (``ptr``, else the pointer's), or with a damaged one. Every row group of the index is
+    read, pages checked by CRC: a run's absence is taken as a fact here, so the footer's
+    statistics, which no checksum covers, may not prune it away."""
+    out = dict.fromkeys(run_ids, 1)
+    if ptr is None:
+        ptr = usable_pointer(log)
+    if ptr is None or not out or not ptr.tables.get(INDEX):
+        return out
+    want = pa.array(sorted(out), pa.string())
     found: dict[str, int] = {}
     try:
         for f in ptr.tables[INDEX]:
             t = read_runs(log, f, want, ptr)
             found.update(zip(t.column("run_id").to_pylist(),
                              t.column("first_lsn").to_pylist(), strict=True))
-    except (CorruptionError, StateChanged):
-        return None
-    return found
-
-
-def first_lsns(log: EventLog, run_ids: Sequence[str]) -> dict[str, int]:
-    """``first_lsn_bound`` for many runs at once (one read of the run index): for each,
-    an LSN at or below its first event; ``ptr.lsn + 1`` for a run the index lacks (no
-    event by the state's LSN); 1 for all without a usable state with a run index, or
-    with a damaged one."""
-    out = dict.fromkeys(run_ids, 1)
-    ptr = usable_pointer(log)
-    if ptr is None or not out or not ptr.tables.get(INDEX):
-        return out
-    found = _first_in_index(log, ptr, list(out))
-    if found is None:
+    except (CorruptionError, StateChanged):  # damaged, or moved on: it bounds nothing
         return out
     return {r: found.get(r, ptr.lsn + 1) for r in out}
 

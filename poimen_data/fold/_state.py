@@ -522,7 +522,7 @@ def _settle(log: EventLog, ptr: Pointer) -> None:
     log.storage.write(POINTER, dumps(ptr.to_doc()))
 
 
-@B.scan_errors
+@B.scan_errors()
 def materialize(log: LogLike, *, storage_options: dict[str, Any] | None = None,
                 full: bool = False, memory_limit: int | str | None = None,
                 temp_directory: str | None = None, executor: Any = None,

@@ -138,7 +138,7 @@ def _log_part(log: EventLog, dest: str) -> str | None:
     return first if first in LOG_OWN or ".tmp-" in first else None
 
 
-@scan_errors
+@scan_errors()
 def export_live(
     log: LogLike,
     dest: str | os.PathLike[str],

@@ -240,7 +240,7 @@ def _deadline(v: Any, verifier: str) -> float:
 MAX_DEADLINE_S = 1e9
 
 
-@scan_errors
+@scan_errors()
 def grade(
     log: LogLike,
     verifiers: Verifier | Sequence[Verifier],
